@@ -1,0 +1,187 @@
+"""FusedMoEModularKernel: one PrepareAndFinalize + one Experts object, composed.
+
+Shape legend: T tokens on this rank, K hidden, N2 = w1 rows (2 * intermediate), k topk,
+El local experts, E global experts.
+"""
+from __future__ import annotations
+
+import math
+from typing import Callable, Optional
+
+import torch
+from torch.profiler import record_function
+
+from moe_modular.config import Activation
+from moe_modular.interfaces import (
+    ActivationFormat,
+    FusedMoEExpertsModular,
+    FusedMoEPrepareAndFinalizeModular,
+    PrepareResult,
+)
+from moe_modular.quant import MoEQuantParams
+from moe_modular.workspace import WorkspaceCache
+
+DEFAULT_CHUNK_SIZE = 32 * 1024
+
+
+class FusedMoEModularKernel(torch.nn.Module):
+    """prepare (quantize + dispatch) -> experts -> finalize (weight, reduce, combine).
+
+    prepare_finalize / fused_experts: the pair; their activation formats must match.
+    shared_experts: optional module run on the (un-dispatched) input; when the PF can start its
+      dispatch without waiting (`has_prepare_no_receive`) it runs while the dispatch is in flight.
+    workspaces: a WorkspaceCache to share scratch buffers across layers (a private one if None).
+    chunk_size: Standard-format experts that support chunking see at most this many tokens per
+      apply call; larger batches are processed in chunks into one output.
+    """
+
+    def __init__(
+        self,
+        prepare_finalize: FusedMoEPrepareAndFinalizeModular,
+        fused_experts: FusedMoEExpertsModular,
+        shared_experts: Optional[Callable[[torch.Tensor], torch.Tensor]] = None,
+        workspaces: Optional[WorkspaceCache] = None,
+        chunk_size: int = DEFAULT_CHUNK_SIZE,
+    ) -> None:
+        super().__init__()
+        pf_format = prepare_finalize.activation_format()
+        fe_in, _ = fused_experts.activation_formats()
+        if pf_format is not fe_in:
+            raise ValueError(
+                f"{type(prepare_finalize).__name__} produces the {pf_format.value} activation format but "
+                f"{type(fused_experts).__name__} takes {fe_in.value}; pair it with experts taking {pf_format.value}"
+            )
+        if not isinstance(chunk_size, int) or chunk_size < 1:
+            raise ValueError(f"chunk_size ({chunk_size!r}) must be an int >= 1")
+        self.prepare_finalize = prepare_finalize
+        self.fused_experts = fused_experts
+        self.shared_experts = shared_experts
+        self.workspaces = workspaces if workspaces is not None else WorkspaceCache()
+        self.chunk_size = chunk_size
+
+    # ------------------------------------------------------------------------------------
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        w1: torch.Tensor,
+        w2: torch.Tensor,
+        topk_weights: torch.Tensor,
+        topk_ids: torch.Tensor,
+        activation: Activation = Activation.SILU,
+        global_num_experts: int = -1,
+        expert_map: Optional[torch.Tensor] = None,
+        apply_router_weight_on_input: bool = False,
+        inplace: bool = False,
+    ):
+        """hidden_states (T, K) activation dtype; w1 (El, N2, K), w2 (El, K, N2/2) (fp8 when quantized,
+        scales in fused_experts.quant); topk_weights (T, k) float32; topk_ids (T, k) int global ids;
+        expert_map (E,) int32 global -> local or -1. Returns the (T, K) output, or
+        (shared_output, output) when shared experts are set."""
+        self._check_inputs(hidden_states, w1, w2, topk_weights, topk_ids, expert_map, apply_router_weight_on_input)
+        pf, fe = self.prepare_finalize, self.fused_experts
+        quant: MoEQuantParams = fe.quant
+        if global_num_experts == -1:
+            global_num_experts = w1.size(0) if expert_map is None else expert_map.numel()
+        idx_dtype = pf.topk_indices_dtype()
+        if idx_dtype is not None and topk_ids.dtype != idx_dtype:
+            topk_ids = topk_ids.to(idx_dtype)
+        output = hidden_states if inplace else torch.empty_like(hidden_states)
+
+        args = (hidden_states, topk_weights, topk_ids, global_num_experts, expert_map,
+                apply_router_weight_on_input, quant)
+        shared_output = None
+        with record_function("prepare"):
+            if self.shared_experts is not None and pf.has_prepare_no_receive():
+                receiver = pf.prepare_no_receive(*args)
+                with record_function("shared_experts"):
+                    shared_output = self.shared_experts(hidden_states)
+                prepared = receiver()
+            else:
+                prepared = pf.prepare(*args)
+        if self.shared_experts is not None and shared_output is None:
+            with record_function("shared_experts"):
+                shared_output = self.shared_experts(hidden_states)
+
+        with record_function("experts"):
+            fused_out = self._run_experts(prepared, w1, w2, topk_weights, topk_ids, activation,
+                                          global_num_experts, expert_map, apply_router_weight_on_input)
+
+        with record_function("finalize"):
+            pf.finalize(output, fused_out, topk_weights, topk_ids, apply_router_weight_on_input,
+                        fe.finalize_weight_and_reduce_impl())
+        if self.shared_experts is not None:
+            return shared_output, output
+        return output
+
+    # ------------------------------------------------------------------------------------
+    def _check_inputs(self, hidden_states, w1, w2, topk_weights, topk_ids, expert_map, apply_router_weight_on_input):
+        if hidden_states.dim() != 2:
+            raise ValueError(f"hidden_states must be 2-D (T, K), got shape {tuple(hidden_states.shape)}")
+        T, K = hidden_states.shape
+        if w1.dim() != 3 or w2.dim() != 3:
+            raise ValueError(f"w1 and w2 must be 3-D, got shapes {tuple(w1.shape)} and {tuple(w2.shape)}")
+        if w1.size(2) != K or w2.size(1) != K:
+            raise ValueError(
+                f"hidden size K ({K}) must match w1.size(2) ({w1.size(2)}) and w2.size(1) ({w2.size(1)})"
+            )
+        if w1.size(1) != 2 * w2.size(2) or w1.size(0) != w2.size(0):
+            raise ValueError(
+                f"w1 {tuple(w1.shape)} and w2 {tuple(w2.shape)} must be (El, 2N, K) and (El, K, N)"
+            )
+        if topk_ids.dim() != 2 or topk_ids.size(0) != T or tuple(topk_weights.shape) != tuple(topk_ids.shape):
+            raise ValueError(
+                f"topk_ids {tuple(topk_ids.shape)} and topk_weights {tuple(topk_weights.shape)} must both be ({T}, topk)"
+            )
+        if apply_router_weight_on_input and topk_ids.size(1) != 1:
+            raise ValueError(
+                f"apply_router_weight_on_input needs topk == 1, got topk ({topk_ids.size(1)})"
+            )
+        if expert_map is not None and not self.fused_experts.supports_expert_map():
+            raise ValueError(f"{type(self.fused_experts).__name__} does not support expert_map")
+
+    def _run_experts(self, prepared: PrepareResult, w1, w2, topk_weights, topk_ids, activation,
+                     global_num_experts, expert_map, apply_router_weight_on_input) -> torch.Tensor:
+        fe = self.fused_experts
+        a1q = prepared.a1q
+        if prepared.topk_ids is not None:
+            # The PF re-routed tokens: its ids are local (-1 for routes held elsewhere).
+            topk_ids, topk_weights = prepared.topk_ids, prepared.topk_weights
+            expert_map, global_num_experts = None, w1.size(0)
+        batched = fe.activation_formats()[0] is ActivationFormat.BatchedExperts
+        M = a1q.size(1) if batched else a1q.size(0)
+        N2, K = w1.size(1), w2.size(1)
+        topk = topk_ids.size(1)
+        El = w1.size(0)
+        meta = prepared.expert_tokens_meta
+
+        chunk = M if (batched or not fe.supports_chunking()) else min(M, self.chunk_size)
+        chunk = max(chunk, 1)
+        _, _, out_shape, _ = fe.workspace_shapes(M, N2, K, topk, global_num_experts, El, meta)
+        ws13_shape, ws2_shape, _, ws_dtype = fe.workspace_shapes(chunk, N2, K, topk, global_num_experts, El, meta)
+        dev = a1q.device
+        fused_out = self.workspaces.get("fused_out", tuple(out_shape), fe.moe.dtype, dev)
+        if M == 0:
+            return fused_out
+        ws13 = self.workspaces.get("workspace13", tuple(ws13_shape), ws_dtype, dev)
+        ws2 = self.workspaces.get("workspace2", tuple(ws2_shape), ws_dtype, dev)
+        scale = prepared.a1q_scale
+        for start in range(0, M, chunk):
+            end = min(start + chunk, M)
+            if batched or (start == 0 and end == M):
+                out_c, a_c, s_c, ids_c, w_c = fused_out, a1q, scale, topk_ids, topk_weights
+                meta_c = meta
+                w13_c, w2_c = ws13, ws2
+            else:
+                n = end - start
+                out_c = fused_out[start:end]
+                a_c = a1q[start:end]
+                s_c = scale[start:end] if (scale is not None and scale.dim() == 2 and scale.size(0) == M) else scale
+                ids_c, w_c = topk_ids[start:end], topk_weights[start:end]
+                # Per-expert counts describe the whole batch, not a chunk.
+                meta_c = None
+                c13, c2, _, _ = fe.workspace_shapes(n, N2, K, topk, global_num_experts, El, None)
+                w13_c = ws13.flatten()[: math.prod(c13)].view(c13)
+                w2_c = ws2.flatten()[: math.prod(c2)].view(c2)
+            fe.apply(out_c, a_c, w1, w2, w_c, ids_c, activation, global_num_experts, expert_map,
+                     s_c, fe.quant.a2_scale, w13_c, w2_c, meta_c, apply_router_weight_on_input)
+        return fused_out
