@@ -139,8 +139,10 @@ class FusedMoEPrepareAndFinalizeModular(ABC):
     ) -> None:
         """Write the final (T, K) result of this rank's tokens into `output`."""
 
+    @classmethod
     @abstractmethod
-    def activation_format(self) -> ActivationFormat: ...
+    def activation_format(cls) -> ActivationFormat:
+        """The format prepare produces (a classmethod: the combinations matrix reads it from the class)."""
 
     @abstractmethod
     def topk_indices_dtype(self) -> Optional[torch.dtype]: ...

@@ -93,7 +93,8 @@ class BatchedPrepareAndFinalize(FusedMoEPrepareAndFinalizeModular):
         local, self._local_ids_Tk = self._local_ids_Tk, None
         impl.apply(output, fused_expert_output, topk_weights, local, apply_router_weight_on_input)
 
-    def activation_format(self) -> ActivationFormat:
+    @classmethod
+    def activation_format(cls) -> ActivationFormat:
         return ActivationFormat.BatchedExperts
 
     def topk_indices_dtype(self) -> Optional[torch.dtype]:

@@ -43,7 +43,8 @@ class MoEPrepareAndFinalizeNoEP(FusedMoEPrepareAndFinalizeModular):
         impl = resolve_weight_and_reduce(weight_and_reduce_impl, TopKWeightAndReduceContiguous())
         impl.apply(output, fused_expert_output, topk_weights, topk_ids, apply_router_weight_on_input)
 
-    def activation_format(self) -> ActivationFormat:
+    @classmethod
+    def activation_format(cls) -> ActivationFormat:
         return ActivationFormat.Standard
 
     def topk_indices_dtype(self) -> Optional[torch.dtype]:
