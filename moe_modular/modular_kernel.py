@@ -72,10 +72,12 @@ class FusedMoEModularKernel(torch.nn.Module):
         expert_map: Optional[torch.Tensor] = None,
         apply_router_weight_on_input: bool = False,
         inplace: bool = False,
+        output: Optional[torch.Tensor] = None,
     ):
         """hidden_states (T, K) activation dtype; w1 (El, N2, K), w2 (El, K, N2/2) (fp8 when quantized,
         scales in fused_experts.quant); topk_weights (T, k) float32; topk_ids (T, k) int global ids;
-        expert_map (E,) int32 global -> local or -1. Returns the (T, K) output, or
+        expert_map (E,) int32 global -> local or -1; output: optional (T, K) buffer to write
+        (else hidden_states when inplace, else a new tensor). Returns the (T, K) output, or
         (shared_output, output) when shared experts are set."""
         self._check_inputs(hidden_states, w1, w2, topk_weights, topk_ids, expert_map, apply_router_weight_on_input)
         pf, fe = self.prepare_finalize, self.fused_experts
@@ -85,7 +87,13 @@ class FusedMoEModularKernel(torch.nn.Module):
         idx_dtype = pf.topk_indices_dtype()
         if idx_dtype is not None and topk_ids.dtype != idx_dtype:
             topk_ids = topk_ids.to(idx_dtype)
-        output = hidden_states if inplace else torch.empty_like(hidden_states)
+        if output is None:
+            output = hidden_states if inplace else torch.empty_like(hidden_states)
+        elif output.shape != hidden_states.shape or output.dtype != hidden_states.dtype:
+            raise ValueError(
+                f"output {tuple(output.shape)} {output.dtype} must match hidden_states "
+                f"{tuple(hidden_states.shape)} {hidden_states.dtype}"
+            )
 
         args = (hidden_states, topk_weights, topk_ids, global_num_experts, expert_map,
                 apply_router_weight_on_input, quant)

@@ -6,6 +6,7 @@ FusedMoEModularKernel that should share buffers; nothing is process-global.
 from __future__ import annotations
 
 import math
+from typing import Optional
 
 import torch
 
@@ -18,7 +19,9 @@ class WorkspaceCache:
     allocations made so far (tests use it to prove reuse).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, poison: Optional[float] = None) -> None:
+        """poison: a value every new buffer is filled with (tests pass NaN so unwritten rows show)."""
+        self.poison = poison
         self._buffers: dict[tuple[str, torch.device, torch.dtype], torch.Tensor] = {}
         self.num_allocations = 0
 
@@ -31,6 +34,8 @@ class WorkspaceCache:
             self._buffers.pop(key, None)
             del buf
             buf = torch.empty(max(numel, 1), dtype=dtype, device=device)
+            if self.poison is not None and (dtype.is_floating_point or dtype.is_complex):
+                buf.fill_(self.poison)
             self._buffers[key] = buf
             self.num_allocations += 1
         return buf[:numel].view(shape)

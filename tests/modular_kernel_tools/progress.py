@@ -1,0 +1,30 @@
+"""A dependency-free progress bar for long matrix runs (writes to stderr)."""
+from __future__ import annotations
+
+import sys
+import time
+from typing import TextIO
+
+
+class ProgressBar:
+    def __init__(self, total: int, label: str, stream: TextIO = sys.stderr, width: int = 30) -> None:
+        self.total, self.label, self.stream, self.width = total, label, stream, width
+        self.done = 0
+        self.start = time.monotonic()
+        self._draw("")
+
+    def update(self, n: int = 1, note: str = "") -> None:
+        self.done += n
+        self._draw(note)
+
+    def _draw(self, note: str) -> None:
+        frac = self.done / self.total if self.total else 1.0
+        filled = int(frac * self.width)
+        elapsed = time.monotonic() - self.start
+        bar = "#" * filled + "." * (self.width - filled)
+        self.stream.write(f"\r{self.label} [{bar}] {self.done}/{self.total} {elapsed:6.1f}s {note[:60]:60s}")
+        self.stream.flush()
+
+    def close(self) -> None:
+        self.stream.write("\n")
+        self.stream.flush()
