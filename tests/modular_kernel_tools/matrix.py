@@ -1,6 +1,8 @@
 """Enumerate the matrix's cells and run one cell (all its M x topk cases, on every rank)."""
 from __future__ import annotations
 
+import os
+import tempfile
 import traceback
 from dataclasses import dataclass, field
 from typing import Iterable, Optional
@@ -56,17 +58,21 @@ def run_config(cfg: Config) -> CellOutcome:
         if cfg.world_size == 1 and not cfg.prepare_finalize_type.requires_distributed():
             return CellOutcome(tuple(_run_cases(cfg)))
         from tests.modular_kernel_tools.parallel_utils import parallel_launch
-        per_rank = parallel_launch(cfg.world_size, _distributed_worker, cfg)
+        with tempfile.TemporaryDirectory(prefix="mk_matrix_") as tmp:
+            parallel_launch(cfg.world_size, _distributed_worker, cfg, tmp)
+            per_rank = [torch.load(os.path.join(tmp, f"rank{r}.pt"), weights_only=False) for r in range(cfg.world_size)]
         return CellOutcome(tuple(r for rank_results in per_rank for r in rank_results))
     except Exception:  # noqa: BLE001 - a cell's failure is reported, the matrix goes on
         return CellOutcome(error=traceback.format_exc(limit=8))
 
 
-def _distributed_worker(pgi, cfg: Config) -> list[CaseResult]:
+def _distributed_worker(pgi, cfg: Config, result_dir: str) -> None:
+    """One rank of a cell: run its cases and save them as result_dir/rank<r>.pt."""
     from moe_modular.parallel_context import ParallelContext
 
-    context = ParallelContext.from_process_group_info(pgi, placement=cfg.placement)
+    context = ParallelContext.from_group(pgi.group, pgi.device, cfg.placement)
     try:
-        return _run_cases(cfg, rank=pgi.rank, context=context)
+        results = _run_cases(cfg, rank=pgi.rank, context=context)
     finally:
         context.destroy()
+    torch.save(results, os.path.join(result_dir, f"rank{pgi.rank}.pt"))
