@@ -118,9 +118,11 @@ class CliRequest:
     shape: dict
 
 
-def parse_request(argv: Optional[Sequence[str]] = None) -> CliRequest:
-    """Parse argv; bad values raise ValueError naming the flag, the value and what is allowed."""
-    args = build_parser().parse_args(argv)
+def parse_request(argv: Optional[Sequence[str]] = None,
+                  parser: Optional[argparse.ArgumentParser] = None) -> CliRequest:
+    """Parse argv; bad values raise ValueError naming the flag, the value and what is allowed.
+    parser: build_parser() extended with a tool's own flags (tools.profile_modular_kernel)."""
+    args = (parser or build_parser()).parse_args(argv)
     if (args.pf_type is None) != (args.experts_type is None):
         raise ValueError("--pf-type and --experts-type go together (give both, or neither for the whole matrix)")
     explicit = args.pf_type is not None

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -103,8 +103,13 @@ def _slice_experts(t: Optional[torch.Tensor], ids: torch.Tensor) -> Optional[tor
 
 
 def run_case(cfg: Config, M: int, topk: int, rank: int = 0, context=None, seed: int = 0,
-             device: Optional[torch.device] = None, workspaces: Optional[WorkspaceCache] = None) -> CaseResult:
-    """Run this rank's M tokens of the case and compare them with the oracle."""
+             device: Optional[torch.device] = None, workspaces: Optional[WorkspaceCache] = None,
+             around_forward: Optional[Callable[[Callable[[], None]], None]] = None) -> CaseResult:
+    """Run this rank's M tokens of the case and compare them with the oracle.
+
+    around_forward: when given, it is called with the forward (a callable that NaN-fills the
+    output and runs the kernel once) instead of one plain call; it may call it any number of
+    times (warm-up, profiling). The output of its last call is compared with the oracle."""
     device = device or default_device()
     moe: MoEConfig = cfg.moe_config(topk, rank)
     inp = make_inputs(cfg, M, topk, seed, device)
@@ -124,8 +129,16 @@ def run_case(cfg: Config, M: int, topk: int, rank: int = 0, context=None, seed: 
     fe = cfg.fused_experts_type.for_prepare_finalize(moe, quant, pf)
     kernel = FusedMoEModularKernel(pf, fe, workspaces=workspaces or WorkspaceCache(poison=float("nan")))
     out = torch.full_like(x, float("nan"))
-    kernel(x, w1, w2, tw, ti, activation=cfg.activation, global_num_experts=cfg.E,
-           expert_map=expert_map, output=out)
+
+    def forward() -> None:
+        out.fill_(float("nan"))
+        kernel(x, w1, w2, tw, ti, activation=cfg.activation, global_num_experts=cfg.E,
+               expert_map=expert_map, output=out)
+
+    if around_forward is None:
+        forward()
+    else:
+        around_forward(forward)
 
     ref = moe_torch(inp.x, inp.w1, inp.w2, inp.topk_weights, inp.topk_ids, cfg.activation, inp.quant)[rows]
     return CaseResult(M, topk, rank, relative_error(out, ref), tolerance(cfg.dtype, cfg.quant), out.cpu())
