@@ -69,6 +69,7 @@ class FusedMoE(torch.nn.Module):
             method = method_cls(moe, backend)
         self.method = method
         self.gate = torch.nn.Linear(moe.hidden_dim, moe.num_experts, bias=False, dtype=moe.dtype, device=device)
+        self.gate.weight.requires_grad_(False)  # an inference layer: every weight is frozen
         if routing.use_correction_bias:
             self.e_score_correction_bias = torch.nn.Parameter(
                 torch.zeros(moe.num_experts, dtype=torch.float32, device=device), requires_grad=False)
