@@ -1,12 +1,21 @@
-"""Gated activation (act(gate) * up) over the w1 output.
+"""Gated activation (act(gate) * up) over the w1 output, optionally fused with fp8 quantization.
 
-Shape legend: T rows, N2 = 2 * N columns of the w1 output, N intermediate size.
+Shape legend: T rows, N2 = 2 * N columns of the w1 output, N intermediate size, R rows of a
+Triton launch (routes, or El * Bt batched slots), El local experts, Bt slots per expert,
+G = ceil(N / group) quantization groups.
 """
 from __future__ import annotations
 
+import enum
+from typing import Optional
+
 import torch
+import triton
+import triton.language as tl
 
 from moe_modular.config import Activation
+from moe_modular.kernels.moe_align import _local_expert_of_route
+from moe_modular.quant import FP8_DTYPE, FP8_MAX
 
 SWIGLU_OAI_ALPHA = 1.702
 SWIGLU_OAI_LIMIT = 7.0
@@ -27,3 +36,216 @@ def act_and_mul_torch(x_TN2: torch.Tensor, activation: Activation) -> torch.Tens
     if activation is Activation.GELU:
         return torch.nn.functional.gelu(gate) * up
     raise ValueError(f"activation ({activation!r}) must be one of {[a.value for a in Activation]}")
+
+
+# ---- Triton -------------------------------------------------------------------------
+
+class IntermediateQuant(enum.Enum):
+    """How the activation output is written."""
+
+    NONE = "none"  # in the output tensor's dtype
+    TENSOR_STATIC = "tensor-static"  # fp8 with a given (1,) scale
+    TENSOR_DYNAMIC = "tensor-dynamic"  # fp8, one scale per local expert from that expert's amax
+    TOKEN = "token"  # fp8, one scale per row
+    GROUP = "group"  # fp8, one scale per row and group of columns
+
+
+class RowMode(enum.Enum):
+    """Which rows of the launch hold data, and which local expert each belongs to."""
+
+    ALL = 0  # every row, expert 0
+    ROUTES = 1  # row r is route r of topk_ids; held when its (mapped) local id is in [0, El)
+    BATCHED = 2  # row r is slot r % Bt of expert r // Bt; held when below expert_num_tokens
+
+
+_ACT_CODE: dict[Activation, int] = {Activation.SILU: 0, Activation.GELU: 1, Activation.SWIGLU_OAI: 2}
+_Q_CODE: dict[IntermediateQuant, int] = {IntermediateQuant.NONE: 0, IntermediateQuant.TENSOR_STATIC: 1,
+                                         IntermediateQuant.TENSOR_DYNAMIC: 3, IntermediateQuant.TOKEN: 4,
+                                         IntermediateQuant.GROUP: 5}
+_Q_AMAX_PASS = 2  # the first pass of TENSOR_DYNAMIC: per-expert amax only
+
+_ACT_SILU: tl.constexpr = tl.constexpr(0)
+_ACT_GELU: tl.constexpr = tl.constexpr(1)
+_ACT_SWIGLU_OAI: tl.constexpr = tl.constexpr(2)
+_Q_NONE: tl.constexpr = tl.constexpr(0)
+_Q_STATIC: tl.constexpr = tl.constexpr(1)
+_Q_AMAX: tl.constexpr = tl.constexpr(2)
+_Q_EXPERT: tl.constexpr = tl.constexpr(3)
+_Q_TOKEN: tl.constexpr = tl.constexpr(4)
+_Q_GROUP: tl.constexpr = tl.constexpr(5)
+_ROWS_ROUTES: tl.constexpr = tl.constexpr(1)
+_ROWS_BATCHED: tl.constexpr = tl.constexpr(2)
+_FP8_MAX: tl.constexpr = tl.constexpr(FP8_MAX)
+_MIN_AMAX: tl.constexpr = tl.constexpr(1e-12)
+_OAI_ALPHA: tl.constexpr = tl.constexpr(SWIGLU_OAI_ALPHA)
+_OAI_LIMIT: tl.constexpr = tl.constexpr(SWIGLU_OAI_LIMIT)
+
+
+@triton.jit
+def _act_tile(x_row_ptrs, offs_n, mask, N, stride_xn, ACTIVATION: tl.constexpr):
+    """act(gate) * up in float32 for columns offs_n of the rows at x_row_ptrs (BLOCK_R, 1)."""
+    if ACTIVATION == _ACT_SWIGLU_OAI:
+        g = tl.load(x_row_ptrs + (2 * offs_n)[None, :] * stride_xn, mask=mask, other=0.0).to(tl.float32)
+        u = tl.load(x_row_ptrs + (2 * offs_n + 1)[None, :] * stride_xn, mask=mask, other=0.0).to(tl.float32)
+        g = tl.minimum(g, _OAI_LIMIT)
+        u = tl.minimum(tl.maximum(u, -_OAI_LIMIT), _OAI_LIMIT)
+        h = (u + 1.0) * g / (1.0 + tl.exp(-_OAI_ALPHA * g))
+    else:
+        g = tl.load(x_row_ptrs + offs_n[None, :] * stride_xn, mask=mask, other=0.0).to(tl.float32)
+        u = tl.load(x_row_ptrs + (N + offs_n)[None, :] * stride_xn, mask=mask, other=0.0).to(tl.float32)
+        if ACTIVATION == _ACT_SILU:
+            h = g / (1.0 + tl.exp(-g)) * u
+        else:
+            h = 0.5 * g * (1.0 + tl.math.erf(g * 0.7071067811865476)) * u
+    return h
+
+
+@triton.jit
+def _to_fp8(h, scale, out_dtype: tl.constexpr):
+    q = tl.fdiv(h, scale, ieee_rounding=True)
+    return tl.minimum(tl.maximum(q, -_FP8_MAX), _FP8_MAX).to(out_dtype)
+
+
+@triton.jit
+def _act_and_mul_kernel(
+    x_ptr, out_ptr, scale_ptr, amax_ptr, topk_ids_ptr, expert_map_ptr, expert_num_tokens_ptr,
+    num_rows, N, slots, num_local_experts,
+    stride_xm, stride_xn, stride_om, stride_on, stride_sm, stride_sn,
+    ACTIVATION: tl.constexpr, ROW_MODE: tl.constexpr, HAS_MAP: tl.constexpr, QUANT: tl.constexpr,
+    BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    rows = pid * BLOCK_R + tl.arange(0, BLOCK_R)
+    if ROW_MODE == _ROWS_ROUTES:
+        expert, valid = _local_expert_of_route(topk_ids_ptr, expert_map_ptr, rows, num_rows, num_local_experts,
+                                               HAS_MAP)
+    elif ROW_MODE == _ROWS_BATCHED:
+        in_range = rows < num_rows
+        expert = tl.where(in_range, rows // slots, 0)
+        count = tl.load(expert_num_tokens_ptr + expert, mask=in_range, other=0)
+        valid = in_range & ((rows % slots) < count)
+    else:
+        expert = tl.zeros((BLOCK_R,), dtype=tl.int32)
+        valid = rows < num_rows
+    rows64 = rows.to(tl.int64)
+    x_rows = x_ptr + rows64[:, None] * stride_xm
+    o_rows = out_ptr + rows64[:, None] * stride_om
+    out_dtype: tl.constexpr = out_ptr.dtype.element_ty
+
+    if QUANT == _Q_AMAX or QUANT == _Q_TOKEN:
+        amax = tl.zeros((BLOCK_R,), dtype=tl.float32)
+        for n0 in range(0, N, BLOCK_N):
+            offs_n = n0 + tl.arange(0, BLOCK_N)
+            m = valid[:, None] & (offs_n[None, :] < N)
+            h = _act_tile(x_rows, offs_n, m, N, stride_xn, ACTIVATION)
+            amax = tl.maximum(amax, tl.max(tl.where(m, tl.abs(h), 0.0), axis=1))
+        if QUANT == _Q_AMAX:
+            tl.atomic_max(amax_ptr + expert, amax, mask=valid)
+            return
+        row_scale = tl.maximum(amax, _MIN_AMAX) / _FP8_MAX
+        tl.store(scale_ptr + rows64 * stride_sm, row_scale, mask=valid)
+    if QUANT == _Q_STATIC:
+        tensor_scale = tl.load(scale_ptr)
+    if QUANT == _Q_EXPERT:
+        expert_scale = tl.maximum(tl.load(amax_ptr + expert, mask=valid, other=1.0), _MIN_AMAX) / _FP8_MAX
+        tl.store(scale_ptr + expert, expert_scale, mask=valid)
+
+    for n0 in range(0, N, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        m = valid[:, None] & (offs_n[None, :] < N)
+        h = _act_tile(x_rows, offs_n, m, N, stride_xn, ACTIVATION)
+        if QUANT == _Q_NONE:
+            y = h.to(out_dtype)
+        elif QUANT == _Q_STATIC:
+            y = _to_fp8(h, tensor_scale, out_dtype)
+        elif QUANT == _Q_EXPERT:
+            y = _to_fp8(h, expert_scale[:, None], out_dtype)
+        elif QUANT == _Q_TOKEN:
+            y = _to_fp8(h, row_scale[:, None], out_dtype)
+        else:  # _Q_GROUP: BLOCK_N is the group size
+            group_scale = tl.maximum(tl.max(tl.where(m, tl.abs(h), 0.0), axis=1), _MIN_AMAX) / _FP8_MAX
+            tl.store(scale_ptr + rows64 * stride_sm + (n0 // BLOCK_N) * stride_sn, group_scale, mask=valid)
+            y = _to_fp8(h, group_scale[:, None], out_dtype)
+        tl.store(o_rows + offs_n[None, :] * stride_on, y, mask=m)
+
+
+def act_and_mul(
+    x_RN2: torch.Tensor,
+    activation: Activation,
+    out_RN: Optional[torch.Tensor] = None,
+    *,
+    quant: IntermediateQuant = IntermediateQuant.NONE,
+    scale: Optional[torch.Tensor] = None,
+    amax_El: Optional[torch.Tensor] = None,
+    group_size: int = 128,
+    row_mode: RowMode = RowMode.ALL,
+    topk_ids_Tk: Optional[torch.Tensor] = None,
+    expert_map_E: Optional[torch.Tensor] = None,
+    num_local_experts: int = 1,
+    expert_num_tokens_El: Optional[torch.Tensor] = None,
+    slots: int = 1,
+    block_rows: Optional[int] = None,
+) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """Triton act_and_mul over x_RN2 (R, 2N) bf16/fp16/fp32 (rows with unit column stride).
+
+    out_RN (R, N): the activation dtype for quant NONE, else fp8 e4m3 (allocated when None).
+    scale: TENSOR_STATIC: the given (1,) float32 scale; TENSOR_DYNAMIC: (El,) written, one per local
+      expert; TOKEN: (R, 1) written; GROUP: (R, ceil(N / group_size)) written.
+    amax_El: (El,) float32 scratch for TENSOR_DYNAMIC (zeroed here).
+    row_mode: which rows hold data (RowMode); ROUTES reads topk_ids_Tk (T, k) contiguous, R = T*k
+      (+ expert_map_E), BATCHED reads expert_num_tokens_El (El,) with R = El * slots. Rows without
+      data are neither read nor written.
+    Returns (out_RN, scale).
+    """
+    R, N2 = x_RN2.shape
+    if N2 % 2:
+        raise ValueError(f"x_RN2.size(1) ({N2}) must be even (gate and up halves)")
+    N = N2 // 2
+    code = _ACT_CODE.get(activation)
+    if code is None:
+        raise ValueError(f"activation ({activation!r}) must be one of {[a.value for a in _ACT_CODE]}")
+    fp8 = quant is not IntermediateQuant.NONE
+    if out_RN is None:
+        out_RN = torch.empty((R, N), dtype=FP8_DTYPE if fp8 else x_RN2.dtype, device=x_RN2.device)
+    if fp8 and out_RN.dtype != FP8_DTYPE:
+        raise ValueError(f"out_RN dtype ({out_RN.dtype}) must be {FP8_DTYPE} for quant {quant.value}")
+    if scale is None and fp8:
+        if quant is IntermediateQuant.TENSOR_STATIC:
+            raise ValueError("act_and_mul quant tensor-static needs the (1,) scale")
+        shape = {IntermediateQuant.TENSOR_DYNAMIC: (num_local_experts,), IntermediateQuant.TOKEN: (R, 1),
+                 IntermediateQuant.GROUP: (R, triton.cdiv(N, group_size))}[quant]
+        scale = torch.empty(shape, dtype=torch.float32, device=x_RN2.device)
+    if quant is IntermediateQuant.GROUP and (group_size < 16 or group_size & (group_size - 1)):
+        raise ValueError(f"group_size ({group_size}) must be a power of two >= 16")
+    if R == 0:
+        return out_RN, scale
+    if row_mode is RowMode.ROUTES:
+        if topk_ids_Tk is None or topk_ids_Tk.numel() != R:
+            raise ValueError(f"row_mode routes needs topk_ids_Tk with R ({R}) elements")
+        topk_ids_Tk = topk_ids_Tk if topk_ids_Tk.is_contiguous() else topk_ids_Tk.contiguous()
+    if row_mode is RowMode.BATCHED and (expert_num_tokens_El is None or R != num_local_experts * slots):
+        raise ValueError(f"row_mode batched needs expert_num_tokens_El and R ({R}) == El * slots")
+    if quant is IntermediateQuant.GROUP:
+        block_n = group_size
+    else:
+        block_n = min(triton.next_power_of_2(N), 1024 if x_RN2.is_cuda else 128)
+    if block_rows is None:
+        block_rows = max(1, min(triton.next_power_of_2(R), 4096 // block_n)) if x_RN2.is_cuda else 16
+    dummy = x_RN2
+    sc = scale if scale is not None else dummy
+    ss = (scale.stride(0), scale.stride(1)) if (scale is not None and scale.dim() == 2) else (0, 0)
+    grid = (triton.cdiv(R, block_rows),)
+    common = dict(ACTIVATION=code, ROW_MODE=row_mode.value, HAS_MAP=expert_map_E is not None,
+                  BLOCK_R=block_rows, BLOCK_N=block_n, num_warps=4)
+    ptrs = (topk_ids_Tk if topk_ids_Tk is not None else dummy, expert_map_E if expert_map_E is not None else dummy,
+            expert_num_tokens_El if expert_num_tokens_El is not None else dummy)
+    sizes = (R, N, slots, num_local_experts, x_RN2.stride(0), x_RN2.stride(1), out_RN.stride(0), out_RN.stride(1),
+             *ss)
+    if quant is IntermediateQuant.TENSOR_DYNAMIC:
+        if amax_El is None:
+            amax_El = torch.empty(num_local_experts, dtype=torch.float32, device=x_RN2.device)
+        amax_El.zero_()
+        _act_and_mul_kernel[grid](x_RN2, out_RN, sc, amax_El, *ptrs, *sizes, QUANT=_Q_AMAX_PASS, **common)
+    _act_and_mul_kernel[grid](x_RN2, out_RN, sc, amax_El if amax_El is not None else dummy, *ptrs, *sizes,
+                              QUANT=_Q_CODE[quant], **common)
+    return out_RN, scale

@@ -1,0 +1,158 @@
+"""TritonExperts: Standard-format experts in Triton (align, grouped GEMM, act*mul, GEMM, top-k sum).
+
+Shape legend: T tokens, k topk, R = T * k routes, K hidden, N2 = w1 rows, Ni = N2 / 2,
+El local experts, E global experts.
+
+One forward, all on the device with sizes fixed by T (no host sync, no allocation; CUDA-graph
+capturable):
+  1. moe_align: routes grouped by local expert, padded to BLOCK_M (expert_map -1: no slot)
+  2. GEMM1: h1 (R, N2) = a1q[token of route] @ w1[e].T, dequantized
+  3. act_and_mul: intermediate (R, Ni) = act(gate) * up, re-quantized to fp8 for fp8 schemes
+  4. GEMM2: y (R, K) = intermediate @ w2[e].T, dequantized, times the route's top-k weight
+  5. moe_sum: output (T, K) = sum of the held routes of each token
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from moe_modular.config import Activation, MoEConfig
+from moe_modular.experts.triton_common import (
+    MAX_BLOCK_M,
+    TileSelector,
+    WorkspaceLayout,
+    bytes_to_numel,
+    check_device,
+    h1_dtype,
+    intermediate_regions,
+    overlapping_view,
+    scheme_modes,
+    triton_supports,
+)
+from moe_modular.interfaces import ActivationFormat, ExpertTokensMetadata, FusedMoEExpertsModular
+from moe_modular.quant import MoEQuantParams
+from moe_modular.weight_and_reduce import TopKWeightAndReduceNoOp
+
+
+def _align_regions(layout: WorkspaceLayout, R: int, El: int) -> WorkspaceLayout:
+    """moe_align's int32 buffers, sized for every BLOCK_M up to MAX_BLOCK_M."""
+    from moe_modular.kernels.moe_align import align_workspace_numel
+
+    sizes: dict[str, int] = {}
+    bm = 16
+    while bm <= MAX_BLOCK_M:
+        for name, n in align_workspace_numel(R, El, bm).items():
+            sizes[name] = max(sizes.get(name, 0), n)
+        bm *= 2
+    for name, n in sizes.items():
+        layout.add(name, (n,), torch.int32)
+    return layout
+
+
+class TritonExperts(FusedMoEExpertsModular):
+    """bf16 / fp16 / fp32, unquantized or fp8 (per-tensor static or dynamic, per-token with
+    per-channel weights, 1xBk group with BnxBk block weights); SiLU, GELU and swiglu-oai; expert
+    maps. Applies the top-k weights in the second GEMM and reduces the routes itself, so it
+    writes the final (T, K) and the PF has nothing left to reduce (TopKWeightAndReduceNoOp).
+
+    Extra keyword: tile_table (a TileConfigTable; the packaged tables when None) or tile_config
+    (fixed tiles for every call, e.g. in tests).
+    """
+
+    def __init__(self, moe: MoEConfig, quant: MoEQuantParams, max_num_tokens: Optional[int] = None,
+                 num_dispatchers: int = 1, *, tile_table=None, tile_config=None) -> None:
+        super().__init__(moe, quant, max_num_tokens=max_num_tokens, num_dispatchers=num_dispatchers)
+        self.modes = scheme_modes(moe.quant)
+        self.tiles = TileSelector(moe, tile_table, tile_config)
+
+    @classmethod
+    def supports(cls, moe: MoEConfig) -> tuple[bool, str]:
+        return triton_supports(moe)
+
+    @classmethod
+    def activation_formats(cls) -> tuple[ActivationFormat, ActivationFormat]:
+        return ActivationFormat.Standard, ActivationFormat.Standard
+
+    def supports_expert_map(self) -> bool:
+        return True
+
+    def supports_chunking(self) -> bool:
+        return True
+
+    def _layout(self, M: int, N2: int, K: int, topk: int, El: int) -> tuple[int, WorkspaceLayout]:
+        R = M * topk
+        h1_bytes = R * N2 * torch.empty((), dtype=h1_dtype(self.moe)).element_size()
+        y_bytes = R * K * torch.empty((), dtype=self.moe.dtype).element_size()
+        ws13_numel = bytes_to_numel(max(h1_bytes, y_bytes), self.moe.dtype)
+        ws2 = intermediate_regions(WorkspaceLayout(), R, N2 // 2, El, self.moe)
+        return ws13_numel, _align_regions(ws2, R, El)
+
+    def workspace_shapes(self, M, N, K, topk, global_num_experts, local_num_experts, expert_tokens_meta):
+        """workspace13 holds h1 (R, N2) (float32 for fp8 schemes) then y (R, K); workspace2 the intermediate, its scales and
+        the alignment buffers. Output (M, K), already weighted and reduced."""
+        ws13, ws2 = self._layout(M, N, K, topk, local_num_experts)
+        return (ws13,), (ws2.numel(self.moe.dtype),), (M, K), self.moe.dtype
+
+    def finalize_weight_and_reduce_impl(self):
+        return TopKWeightAndReduceNoOp()
+
+    def apply(
+        self,
+        output: torch.Tensor,
+        hidden_states: torch.Tensor,
+        w1: torch.Tensor,
+        w2: torch.Tensor,
+        topk_weights: torch.Tensor,
+        topk_ids: torch.Tensor,
+        activation: Activation,
+        global_num_experts: int,
+        expert_map: Optional[torch.Tensor],
+        a1q_scale: Optional[torch.Tensor],
+        a2_scale: Optional[torch.Tensor],
+        workspace13: torch.Tensor,
+        workspace2: torch.Tensor,
+        expert_tokens_meta: Optional[ExpertTokensMetadata],
+        apply_router_weight_on_input: bool,
+    ) -> None:
+        """output (T, K) activation dtype; hidden_states (T, K) fp8 (scale a1q_scale: (1,) / (T, 1) /
+        (T, G)) or the activation dtype; w1 (El, N2, K), w2 (El, K, Ni); topk_weights (T, k) float32;
+        topk_ids (T, k) int: global ids mapped by expert_map (E,) int32, or local ids (-1 or any id
+        outside [0, El) = not held here) when expert_map is None; a2_scale (1,) for static schemes."""
+        from moe_modular.kernels.act_and_mul import RowMode, act_and_mul
+        from moe_modular.kernels.moe_align import moe_align
+        from moe_modular.kernels.moe_gemm import moe_gemm
+        from moe_modular.kernels.moe_sum import moe_sum
+
+        check_device(hidden_states)
+        T, K = hidden_states.shape
+        topk = topk_ids.shape[1]
+        El, N2, _ = w1.shape
+        Ni = N2 // 2
+        R = T * topk
+        if T == 0:
+            return
+        activation = Activation.parse(activation)
+        q, modes = self.quant, self.modes
+        group = q.config.block_shape if q.config.is_block else (1, 1)
+        cfg = self.tiles(T, El, Ni, K, topk, hidden_states.device)
+        _, layout = self._layout(T, N2, K, topk, El)
+        h1 = overlapping_view(workspace13, (R, N2), h1_dtype(self.moe))
+        y = overlapping_view(workspace13, (R, K), output.dtype)
+        buf = layout.carve(workspace2)
+        if not topk_ids.is_contiguous():
+            topk_ids = topk_ids.contiguous()
+
+        sorted_ids, block_expert, num_post_padded = moe_align(topk_ids, cfg.block_m, El, expert_map, buffers=buf)
+        align = dict(sorted_ids_S=sorted_ids, block_expert_Mb=block_expert, num_post_padded=num_post_padded,
+                     num_routes=R)
+        moe_gemm(hidden_states, w1, h1, cfg.gemm1, a_scale=a1q_scale, a_scale_mode=modes.a1,
+                 b_scale=q.w1_scale, b_scale_mode=modes.w, group_shape=group, a_row_div=topk, **align)
+        inter_scale = buf.get("intermediate_scale", a2_scale)
+        act_and_mul(h1, activation, buf["intermediate"], quant=modes.intermediate, scale=inter_scale,
+                    amax_El=buf.get("amax"), group_size=group[1] if q.config.is_block else 128,
+                    row_mode=RowMode.ROUTES, topk_ids_Tk=topk_ids, expert_map_E=expert_map, num_local_experts=El)
+        moe_gemm(buf["intermediate"], w2, y, cfg.gemm2, a_scale=inter_scale, a_scale_mode=modes.a2,
+                 b_scale=q.w2_scale, b_scale_mode=modes.w, group_shape=group, a_row_div=1,
+                 topk_weights_Tk=None if apply_router_weight_on_input else topk_weights, **align)
+        moe_sum(y, topk_ids, output, El, expert_map)

@@ -1,0 +1,211 @@
+"""Token-to-expert alignment: group the routes of a batch by local expert, padded per BLOCK_M.
+
+Shape legend:
+  T tokens   k topk   R = T * k routes (route r = token r // k, slot r % k)
+  E global experts    El local experts    Eb histogram bins (next power of two >= El)
+  P route chunks of ALIGN_BLOCK routes    S sorted-id capacity    Mb blocks of BLOCK_M rows
+
+Output layout (what the grouped GEMM reads):
+  sorted_ids_S   int32: for each local expert in order, the ids of its routes (ascending), then
+                 sentinel R up to the next multiple of BLOCK_M; entries past num_post_padded are
+                 never read.
+  block_expert_Mb int32: the local expert of each BLOCK_M block, -1 past num_post_padded.
+  num_post_padded (1,) int32: the number of meaningful entries of sorted_ids_S.
+Routes whose expert is not held here (expert_map -1, or a local id outside [0, El)) get no slot.
+
+Everything is computed on the device in three launches (count, offsets, scatter) and sized from
+host integers only, so the caller never synchronizes and the allocation does not depend on data.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+# Routes per program in the count and scatter kernels (the in-chunk rank is a BLOCK x BLOCK compare).
+ALIGN_BLOCK = 128
+
+
+def num_bins(num_local_experts: int) -> int:
+    """Histogram bins: the next power of two >= num_local_experts."""
+    return triton.next_power_of_2(max(int(num_local_experts), 1))
+
+
+def max_num_blocks(num_routes: int, num_local_experts: int, block_m: int) -> int:
+    """An upper bound on the BLOCK_M blocks any routing of num_routes routes can fill.
+
+    Every non-empty block holds at least one route, and each non-empty expert wastes < BLOCK_M slots.
+    """
+    busy = min(num_local_experts, num_routes)
+    return min(num_routes, (num_routes + busy * (block_m - 1)) // block_m)
+
+
+def sorted_capacity(num_routes: int, num_local_experts: int, block_m: int) -> int:
+    """Entries sorted_ids_S must hold for block_m."""
+    return max_num_blocks(num_routes, num_local_experts, block_m) * block_m
+
+
+def num_chunks(num_routes: int) -> int:
+    return triton.cdiv(num_routes, ALIGN_BLOCK)
+
+
+@triton.jit
+def _local_expert_of_route(topk_ids_ptr, expert_map_ptr, offs, num_routes, num_local_experts,
+                           HAS_MAP: tl.constexpr):
+    """Local expert of routes `offs` and whether it is held here (in [0, El))."""
+    in_range = offs < num_routes
+    ids = tl.load(topk_ids_ptr + offs, mask=in_range, other=-1).to(tl.int32)
+    if HAS_MAP:
+        ids = tl.load(expert_map_ptr + ids, mask=in_range & (ids >= 0), other=-1).to(tl.int32)
+    valid = in_range & (ids >= 0) & (ids < num_local_experts)
+    return tl.where(valid, ids, 0), valid
+
+
+@triton.jit
+def _align_count_kernel(topk_ids_ptr, expert_map_ptr, counts_ptr, num_routes, num_local_experts,
+                        HAS_MAP: tl.constexpr, NUM_BINS: tl.constexpr, BLOCK: tl.constexpr):
+    """counts_PEb[p, e] = routes of chunk p whose local expert is e."""
+    pid = tl.program_id(0)
+    offs = pid * BLOCK + tl.arange(0, BLOCK)
+    expert, valid = _local_expert_of_route(topk_ids_ptr, expert_map_ptr, offs, num_routes, num_local_experts,
+                                           HAS_MAP)
+    hist = tl.histogram(expert, NUM_BINS, mask=valid)
+    tl.store(counts_ptr + pid * NUM_BINS + tl.arange(0, NUM_BINS), hist.to(tl.int32))
+
+
+@triton.jit
+def _align_offsets_kernel(counts_ptr, expert_start_ptr, sorted_ids_ptr, block_expert_ptr, num_post_padded_ptr,
+                          num_chunks, num_routes, num_blocks,
+                          NUM_BINS: tl.constexpr, BLOCK_M: tl.constexpr, ROWS: tl.constexpr,
+                          BLOCKS_PER_ITER: tl.constexpr):
+    """One program: turn counts_PEb into per-chunk exclusive prefixes (in place), write each expert's
+    padded start, num_post_padded, the expert of every block and the sentinel padding."""
+    bins = tl.arange(0, NUM_BINS)
+    running = tl.zeros((NUM_BINS,), dtype=tl.int32)
+    for p0 in range(0, num_chunks, ROWS):
+        rows = p0 + tl.arange(0, ROWS)
+        ptrs = counts_ptr + rows[:, None] * NUM_BINS + bins[None, :]
+        m = rows[:, None] < num_chunks
+        tile = tl.load(ptrs, mask=m, other=0)
+        before = tl.cumsum(tile, axis=0) - tile + running[None, :]
+        tl.store(ptrs, before, mask=m)
+        running += tl.sum(tile, axis=0)
+    padded = tl.cdiv(running, BLOCK_M) * BLOCK_M
+    end = tl.cumsum(padded, axis=0)
+    start = end - padded
+    tl.store(expert_start_ptr + bins, start)
+    total = tl.sum(padded, axis=0)
+    tl.store(num_post_padded_ptr, total)
+    # The expert of block b is the number of experts whose padded range ends at or before b * BLOCK_M.
+    for b0 in range(0, num_blocks, BLOCKS_PER_ITER):
+        blk = b0 + tl.arange(0, BLOCKS_PER_ITER)
+        pos = blk * BLOCK_M
+        owner = tl.sum((end[None, :] <= pos[:, None]).to(tl.int32), axis=1)
+        owner = tl.where(pos < total, owner, -1)
+        tl.store(block_expert_ptr + blk, owner, mask=blk < num_blocks)
+    # Sentinel (num_routes) in the < BLOCK_M padding slots after each expert's routes.
+    slot = (start + running)[:, None] + tl.arange(0, BLOCK_M)[None, :]
+    sentinel = tl.full((NUM_BINS, BLOCK_M), 0, tl.int32) + num_routes
+    tl.store(sorted_ids_ptr + slot, sentinel, mask=slot < end[:, None])
+
+
+@triton.jit
+def _align_scatter_kernel(topk_ids_ptr, expert_map_ptr, prefix_ptr, expert_start_ptr, sorted_ids_ptr,
+                          num_routes, num_local_experts,
+                          HAS_MAP: tl.constexpr, NUM_BINS: tl.constexpr, BLOCK: tl.constexpr):
+    """Place every held route at start[e] + (routes of e in earlier chunks) + (rank within the chunk)."""
+    pid = tl.program_id(0)
+    lane = tl.arange(0, BLOCK)
+    offs = pid * BLOCK + lane
+    expert, valid = _local_expert_of_route(topk_ids_ptr, expert_map_ptr, offs, num_routes, num_local_experts,
+                                           HAS_MAP)
+    earlier = (expert[:, None] == expert[None, :]) & (lane[None, :] < lane[:, None]) & valid[None, :]
+    rank = tl.sum(earlier.to(tl.int32), axis=1)
+    base = tl.load(expert_start_ptr + expert, mask=valid, other=0)
+    base += tl.load(prefix_ptr + pid * NUM_BINS + expert, mask=valid, other=0)
+    tl.store(sorted_ids_ptr + base + rank, offs, mask=valid)
+
+
+def align_workspace_numel(num_routes: int, num_local_experts: int, block_m: int) -> dict[str, int]:
+    """int32 element counts of the buffers moe_align needs (for carving them from a workspace)."""
+    return {
+        "sorted_ids": max(sorted_capacity(num_routes, num_local_experts, block_m), 1),
+        "block_expert": max(max_num_blocks(num_routes, num_local_experts, block_m), 1),
+        "num_post_padded": 1,
+        "expert_start": num_bins(num_local_experts),
+        "counts": max(num_chunks(num_routes), 1) * num_bins(num_local_experts),
+    }
+
+
+def moe_align(
+    topk_ids_Tk: torch.Tensor,
+    block_m: int,
+    num_local_experts: int,
+    expert_map_E: Optional[torch.Tensor] = None,
+    buffers: Optional[dict[str, torch.Tensor]] = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Align the routes of topk_ids_Tk (T, k) int32/int64 to BLOCK_M blocks per local expert.
+
+    topk_ids are global ids mapped through expert_map_E (E,) int32 (-1: not held here) when it is
+    given, else local ids (a value outside [0, El) means not held here).
+    buffers: optional int32 views sized by align_workspace_numel (else allocated).
+    Returns (sorted_ids_S, block_expert_Mb, num_post_padded (1,)), all int32 on the ids' device.
+    """
+    if topk_ids_Tk.dim() != 2:
+        raise ValueError(f"topk_ids must be 2-D (T, k), got shape {tuple(topk_ids_Tk.shape)}")
+    if block_m < 1 or block_m & (block_m - 1):
+        raise ValueError(f"block_m ({block_m}) must be a power of two")
+    ids = topk_ids_Tk if topk_ids_Tk.is_contiguous() else topk_ids_Tk.contiguous()
+    R = ids.numel()
+    El = int(num_local_experts)
+    sizes = align_workspace_numel(R, El, block_m)
+    if buffers is None:
+        buffers = {name: torch.empty(n, dtype=torch.int32, device=ids.device) for name, n in sizes.items()}
+    for name, n in sizes.items():
+        if buffers[name].numel() < n or buffers[name].dtype != torch.int32:
+            raise ValueError(f"moe_align buffer {name} must be int32 with >= {n} elements")
+    sorted_ids = buffers["sorted_ids"][: sizes["sorted_ids"]]
+    block_expert = buffers["block_expert"][: sizes["block_expert"]]
+    num_post_padded = buffers["num_post_padded"][:1]
+    if R == 0:
+        num_post_padded.zero_()
+        block_expert.fill_(-1)
+        return sorted_ids, block_expert, num_post_padded
+    has_map = expert_map_E is not None
+    emap = expert_map_E if has_map else ids  # a placeholder pointer when there is no map
+    P, Eb = num_chunks(R), num_bins(El)
+    counts = buffers["counts"][: P * Eb]
+    start = buffers["expert_start"][:Eb]
+    _align_count_kernel[(P,)](ids, emap, counts, R, El, HAS_MAP=has_map, NUM_BINS=Eb, BLOCK=ALIGN_BLOCK)
+    rows = max(1, min(triton.next_power_of_2(P), 4096 // Eb))
+    _align_offsets_kernel[(1,)](counts, start, sorted_ids, block_expert, num_post_padded, P, R,
+                                sizes["block_expert"], NUM_BINS=Eb, BLOCK_M=block_m, ROWS=rows,
+                                BLOCKS_PER_ITER=max(1, min(64, 8192 // Eb)))
+    _align_scatter_kernel[(P,)](ids, emap, counts, start, sorted_ids, R, El, HAS_MAP=has_map, NUM_BINS=Eb,
+                                BLOCK=ALIGN_BLOCK)
+    return sorted_ids, block_expert, num_post_padded
+
+
+def moe_align_torch(
+    topk_ids_Tk: torch.Tensor,
+    block_m: int,
+    num_local_experts: int,
+    expert_map_E: Optional[torch.Tensor] = None,
+) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """Oracle: (sorted_ids, block_expert, num_post_padded) with only the meaningful entries."""
+    ids = topk_ids_Tk.reshape(-1).long()
+    R = ids.numel()
+    if expert_map_E is not None:
+        ids = torch.where(ids >= 0, expert_map_E.long()[ids.clamp(min=0)], torch.full_like(ids, -1))
+    sorted_ids, block_expert = [], []
+    for e in range(num_local_experts):
+        routes = (ids == e).nonzero().squeeze(1).tolist()
+        if not routes:
+            continue
+        nblk = -(-len(routes) // block_m)
+        sorted_ids += routes + [R] * (nblk * block_m - len(routes))
+        block_expert += [e] * nblk
+    return (torch.tensor(sorted_ids, dtype=torch.int32), torch.tensor(block_expert, dtype=torch.int32),
+            len(sorted_ids))

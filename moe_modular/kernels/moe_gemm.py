@@ -1,0 +1,284 @@
+"""Grouped expert GEMM: C[row] = dequant(A[row]) @ dequant(B[expert]).T (* top-k weight), in Triton.
+
+Shape legend:
+  R routes (T * k)   T tokens   k topk   El local experts   Bt slots per expert (batched format)
+  Ko reduction size (K for the first GEMM, N for the second)   No output columns
+  S sorted-id capacity   Mb blocks of BLOCK_M rows   G = ceil(Ko / group_k) activation groups
+
+Two row layouts share one kernel:
+  Standard: rows come from sorted_ids_S (moe_align): block b of BLOCK_M entries belongs to local
+    expert block_expert_Mb[b]; entry s < R reads A row s // a_row_div and writes C row s; s == R pads.
+  Batched: A (El, Bt, Ko), C (El, Bt, No); expert e computes its first expert_num_tokens[e] rows.
+
+Scales (float32, multiplied to dequantize; quant.py gives the layouts):
+  A: NONE | TENSOR (1,) | EXPERT (El,) | ROW one per A row | GROUP one per A row and group_k columns
+  B: NONE | TENSOR (El,) | CHANNEL (El, No, 1) | BLOCK (El, ceil(No/group_n), ceil(Ko/group_k))
+GROUP goes with BLOCK and needs BLOCK_K to divide group_k, so each K tile has a single scale.
+"""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+# Scale-mode codes as the kernel sees them (compile-time constants).
+A_NONE: tl.constexpr = tl.constexpr(0)
+A_TENSOR: tl.constexpr = tl.constexpr(1)
+A_EXPERT: tl.constexpr = tl.constexpr(2)
+A_ROW: tl.constexpr = tl.constexpr(3)
+A_GROUP: tl.constexpr = tl.constexpr(4)
+B_NONE: tl.constexpr = tl.constexpr(0)
+B_TENSOR: tl.constexpr = tl.constexpr(1)
+B_CHANNEL: tl.constexpr = tl.constexpr(2)
+B_BLOCK: tl.constexpr = tl.constexpr(3)
+
+
+class AScale(enum.Enum):
+    """Layout of the A (activation) scale."""
+
+    NONE = 0
+    TENSOR = 1  # (1,)
+    EXPERT = 2  # (El,), one per local expert
+    ROW = 3  # one per A row
+    GROUP = 4  # one per A row and group of group_k columns
+
+
+class BScale(enum.Enum):
+    """Layout of the B (weight) scale."""
+
+    NONE = 0
+    TENSOR = 1  # (El,)
+    CHANNEL = 2  # (El, No, 1)
+    BLOCK = 3  # (El, ceil(No / group_n), ceil(Ko / group_k))
+
+
+@dataclass(frozen=True)
+class GemmTile:
+    """Launch parameters of one grouped GEMM."""
+
+    BLOCK_M: int
+    BLOCK_N: int
+    BLOCK_K: int
+    GROUP_M: int = 1
+    num_warps: int = 4
+    num_stages: int = 3
+
+
+@triton.jit
+def _moe_gemm_kernel(
+    a_ptr, b_ptr, c_ptr, a_scale_ptr, b_scale_ptr, topk_weights_ptr,
+    sorted_ids_ptr, block_expert_ptr, num_post_padded_ptr, expert_num_tokens_ptr,
+    num_routes, slots, N, K, topk,
+    stride_ae, stride_am, stride_ak,
+    stride_be, stride_bn, stride_bk,
+    stride_ce, stride_cm, stride_cn,
+    stride_ase, stride_asm, stride_ask,
+    stride_bse, stride_bsn, stride_bsk,
+    stride_wt, stride_wk,
+    num_pid_m,
+    A_ROW_DIV: tl.constexpr, BATCHED: tl.constexpr,
+    A_SCALE: tl.constexpr, B_SCALE: tl.constexpr, GROUP_N: tl.constexpr, GROUP_K: tl.constexpr,
+    MUL_WEIGHT: tl.constexpr, EVEN_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+):
+    # Tile order: GROUP_M row blocks share each column sweep (B tiles stay in L2).
+    pid = tl.program_id(0)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    per_group = GROUP_M * num_pid_n
+    first_m = (pid // per_group) * GROUP_M
+    group_rows = tl.minimum(num_pid_m - first_m, GROUP_M)
+    pid_m = first_m + ((pid % per_group) % group_rows)
+    pid_n = (pid % per_group) // group_rows
+
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    if BATCHED:
+        expert = tl.program_id(1)
+        count = tl.load(expert_num_tokens_ptr + expert)
+        if pid_m * BLOCK_M >= count:
+            return
+        row_mask = offs_m < count
+        a_row = offs_m.to(tl.int64)
+        c_row = offs_m.to(tl.int64)
+        a_e = expert.to(tl.int64)
+    else:
+        if pid_m * BLOCK_M >= tl.load(num_post_padded_ptr):
+            return
+        expert = tl.load(block_expert_ptr + pid_m)
+        if expert < 0:
+            return
+        sid = tl.load(sorted_ids_ptr + offs_m)
+        row_mask = sid < num_routes
+        a_row = (sid // A_ROW_DIV).to(tl.int64)
+        c_row = sid.to(tl.int64)
+        a_e = 0
+    e64 = expert.to(tl.int64)
+
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < N
+    offs_bn = offs_n % N  # wrap instead of masking the B loads; the columns past N are not stored
+    offs_k = tl.arange(0, BLOCK_K)
+    a_ptrs = a_ptr + a_e * stride_ae + a_row[:, None] * stride_am + offs_k[None, :] * stride_ak
+    b_ptrs = b_ptr + e64 * stride_be + offs_bn[None, :].to(tl.int64) * stride_bn + offs_k[:, None] * stride_bk
+    as_row = a_scale_ptr + a_e * stride_ase + a_row * stride_asm
+    bs_col = b_scale_ptr + e64 * stride_bse + (offs_bn // GROUP_N) * stride_bsn
+
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for kt in range(0, tl.cdiv(K, BLOCK_K)):
+        if EVEN_K:
+            a = tl.load(a_ptrs, mask=row_mask[:, None], other=0.0)
+            b = tl.load(b_ptrs)
+        else:
+            k_left = K - kt * BLOCK_K
+            a = tl.load(a_ptrs, mask=row_mask[:, None] & (offs_k[None, :] < k_left), other=0.0)
+            b = tl.load(b_ptrs, mask=offs_k[:, None] < k_left, other=0.0)
+        if A_SCALE == A_GROUP:
+            kg = (kt * BLOCK_K) // GROUP_K
+            a_s = tl.load(as_row + kg * stride_ask, mask=row_mask, other=0.0)
+            b_s = tl.load(bs_col + kg * stride_bsk)
+            acc += tl.dot(a, b) * (a_s[:, None] * b_s[None, :])
+        else:
+            acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
+        a_ptrs += BLOCK_K * stride_ak
+        b_ptrs += BLOCK_K * stride_bk
+
+    if A_SCALE == A_TENSOR:
+        acc = acc * tl.load(a_scale_ptr)
+    elif A_SCALE == A_EXPERT:
+        acc = acc * tl.load(a_scale_ptr + e64)
+    elif A_SCALE == A_ROW:
+        acc = acc * tl.load(as_row, mask=row_mask, other=0.0)[:, None]
+    if B_SCALE == B_TENSOR:
+        acc = acc * tl.load(b_scale_ptr + e64 * stride_bse)
+    elif B_SCALE == B_CHANNEL:
+        acc = acc * tl.load(b_scale_ptr + e64 * stride_bse + offs_bn * stride_bsn)[None, :]
+    if MUL_WEIGHT:
+        w = tl.load(topk_weights_ptr + (c_row // topk) * stride_wt + (c_row % topk) * stride_wk,
+                    mask=row_mask, other=0.0)
+        acc = acc * w.to(tl.float32)[:, None]
+
+    c_ptrs = c_ptr + a_e * stride_ce + c_row[:, None] * stride_cm + offs_n[None, :] * stride_cn
+    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=row_mask[:, None] & n_mask[None, :])
+
+
+def _strides(t: Optional[torch.Tensor], n: int) -> tuple[int, ...]:
+    if t is None:
+        return (0,) * n
+    s = tuple(t.stride())
+    return (0,) * (n - len(s)) + s
+
+
+def _a_scale_strides(scale: Optional[torch.Tensor], mode: AScale, batched: bool) -> tuple[int, int, int]:
+    """(expert, row, group) strides of an A scale in `mode`."""
+    if mode in (AScale.ROW, AScale.GROUP):
+        if batched:  # (El, Bt, 1|G)
+            return tuple(scale.stride())
+        return (0,) + tuple(scale.stride())  # (rows, 1|G)
+    return (0, 0, 0)
+
+
+def moe_gemm(
+    a: torch.Tensor,
+    b_ENK: torch.Tensor,
+    c: torch.Tensor,
+    tile: GemmTile,
+    *,
+    a_scale: Optional[torch.Tensor] = None,
+    a_scale_mode: AScale = AScale.NONE,
+    b_scale: Optional[torch.Tensor] = None,
+    b_scale_mode: BScale = BScale.NONE,
+    group_shape: tuple[int, int] = (1, 1),
+    topk_weights_Tk: Optional[torch.Tensor] = None,
+    sorted_ids_S: Optional[torch.Tensor] = None,
+    block_expert_Mb: Optional[torch.Tensor] = None,
+    num_post_padded: Optional[torch.Tensor] = None,
+    a_row_div: int = 1,
+    num_routes: int = 0,
+    expert_num_tokens_El: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
+    """Launch one grouped GEMM; returns c.
+
+    Standard (sorted_ids_S given): a (rows, Ko), c (R, No) written at the rows of sorted_ids_S,
+      a_row_div = k when a holds tokens (first GEMM) or 1 when it holds routes (second GEMM);
+      num_routes = R; topk_weights_Tk (T, k) float32 multiplies row s by weight[s // k, s % k].
+    Batched (expert_num_tokens_El given): a (El, Bt, Ko), c (El, Bt, No).
+    b_ENK (El, No, Ko); scales as in the module docstring; group_shape = (group_n, group_k) for BLOCK.
+    """
+    batched = expert_num_tokens_El is not None
+    if batched == (sorted_ids_S is not None):
+        raise ValueError("moe_gemm needs exactly one of sorted_ids_S (standard) or expert_num_tokens_El (batched)")
+    El, No, Ko = b_ENK.shape
+    a_k = a.shape[-1]
+    if a_k != Ko:
+        raise ValueError(f"reduction size of a ({a_k}) must equal b_ENK.size(2) ({Ko})")
+    group_n, group_k = group_shape
+    if a_scale_mode is AScale.GROUP:
+        if b_scale_mode is not BScale.BLOCK or group_k % tile.BLOCK_K:
+            raise ValueError(
+                f"group scales need block weight scales and BLOCK_K ({tile.BLOCK_K}) dividing group_k ({group_k})")
+    if tile.BLOCK_M & (tile.BLOCK_M - 1) or tile.BLOCK_N & (tile.BLOCK_N - 1) or tile.BLOCK_K & (tile.BLOCK_K - 1):
+        raise ValueError(f"tile {tile} must have power-of-two blocks")
+    if batched:
+        slots = a.shape[1]
+        num_pid_m = triton.cdiv(slots, tile.BLOCK_M)
+        grid = (num_pid_m * triton.cdiv(No, tile.BLOCK_N), El)
+        sa_e, sa_m, sa_k = a.stride()
+        sc_e, sc_m, sc_n = c.stride()
+    else:
+        slots = 0
+        num_pid_m = block_expert_Mb.numel()
+        grid = (num_pid_m * triton.cdiv(No, tile.BLOCK_N),)
+        sa_e, (sa_m, sa_k) = 0, a.stride()
+        sc_e, (sc_m, sc_n) = 0, c.stride()
+    if grid[0] == 0:
+        return c
+    dummy = b_ENK
+    bs = _strides(b_scale, 3)
+    if b_scale_mode is BScale.TENSOR:
+        bs = (b_scale.stride(0), 0, 0)
+    elif b_scale_mode is BScale.CHANNEL:
+        bs = (b_scale.stride(0), b_scale.stride(1), 0)
+    topk = topk_weights_Tk.shape[1] if topk_weights_Tk is not None else 1
+    sw = topk_weights_Tk.stride() if topk_weights_Tk is not None else (0, 0)
+    is_fp32 = a.dtype == torch.float32 and b_ENK.dtype == torch.float32
+    _moe_gemm_kernel[grid](
+        a, b_ENK, c,
+        a_scale if a_scale is not None else dummy,
+        b_scale if b_scale is not None else dummy,
+        topk_weights_Tk if topk_weights_Tk is not None else dummy,
+        sorted_ids_S if sorted_ids_S is not None else dummy,
+        block_expert_Mb if block_expert_Mb is not None else dummy,
+        num_post_padded if num_post_padded is not None else dummy,
+        expert_num_tokens_El if expert_num_tokens_El is not None else dummy,
+        num_routes, slots, No, Ko, topk,
+        sa_e, sa_m, sa_k,
+        *b_ENK.stride(),
+        sc_e, sc_m, sc_n,
+        *_a_scale_strides(a_scale, a_scale_mode, batched),
+        *bs,
+        *sw,
+        num_pid_m,
+        A_ROW_DIV=a_row_div, BATCHED=batched,
+        A_SCALE=a_scale_mode.value, B_SCALE=b_scale_mode.value, GROUP_N=group_n, GROUP_K=group_k,
+        MUL_WEIGHT=topk_weights_Tk is not None, EVEN_K=Ko % tile.BLOCK_K == 0,
+        DOT_PRECISION="ieee" if is_fp32 else "tf32",
+        BLOCK_M=tile.BLOCK_M, BLOCK_N=tile.BLOCK_N, BLOCK_K=tile.BLOCK_K, GROUP_M=tile.GROUP_M,
+        num_warps=tile.num_warps, num_stages=tile.num_stages,
+    )
+    return c
+
+
+def moe_gemm_torch(
+    a_rows: torch.Tensor,
+    b_NK: torch.Tensor,
+    a_scale_rows: Optional[torch.Tensor] = None,
+    b_scale: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
+    """Float32 oracle of one expert's tile: a_rows (m, Ko) dequantized with a_scale_rows (m, 1|Ko) (or
+    None), times b_NK (No, Ko) dequantized with b_scale broadcast to (No, Ko) (or None), transposed."""
+    a = a_rows.float() * (a_scale_rows.float() if a_scale_rows is not None else 1.0)
+    b = b_NK.float() * (b_scale.float() if b_scale is not None else 1.0)
+    return a @ b.t()

@@ -1,0 +1,78 @@
+"""Top-k reduction: out[t] = sum over the held routes j of y[t * k + j].
+
+Shape legend: T tokens, k topk, K hidden, R = T * k routes, E global experts, El local experts.
+A route is held when its local expert (topk id, mapped through expert_map when given) is in
+[0, El); routes not held contribute nothing, whatever their rows of y contain.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _moe_sum_kernel(y_ptr, out_ptr, topk_ids_ptr, expert_map_ptr, T, K, topk, num_local_experts,
+                    stride_ym, stride_yk, stride_om, stride_ok, stride_it, stride_ik,
+                    HAS_MAP: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr):
+    offs_t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    offs_k = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
+    t_mask = offs_t < T
+    k_mask = offs_k < K
+    t64 = offs_t.to(tl.int64)
+    acc = tl.zeros((BLOCK_T, BLOCK_K), dtype=tl.float32)
+    for j in range(0, topk):
+        ids = tl.load(topk_ids_ptr + t64 * stride_it + j * stride_ik, mask=t_mask, other=-1).to(tl.int32)
+        if HAS_MAP:
+            ids = tl.load(expert_map_ptr + ids, mask=t_mask & (ids >= 0), other=-1).to(tl.int32)
+        held = t_mask & (ids >= 0) & (ids < num_local_experts)
+        m = held[:, None] & k_mask[None, :]
+        y = tl.load(y_ptr + (t64 * topk + j)[:, None] * stride_ym + offs_k[None, :] * stride_yk, mask=m, other=0.0)
+        acc += tl.where(m, y.to(tl.float32), 0.0)
+    tl.store(out_ptr + t64[:, None] * stride_om + offs_k[None, :] * stride_ok,
+             acc.to(out_ptr.dtype.element_ty), mask=t_mask[:, None] & k_mask[None, :])
+
+
+def moe_sum(
+    y_RK: torch.Tensor,
+    topk_ids_Tk: torch.Tensor,
+    out_TK: torch.Tensor,
+    num_local_experts: int,
+    expert_map_E: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
+    """Sum y_RK (R, K) route rows into out_TK (T, K) (any float dtypes; float32 accumulation).
+
+    topk_ids_Tk (T, k) int: local ids, or global ids with expert_map_E (E,) int32 (-1 not held).
+    """
+    T, k = topk_ids_Tk.shape
+    K = out_TK.shape[1]
+    if y_RK.shape[0] < T * k or y_RK.shape[1] != K:
+        raise ValueError(f"y_RK shape ({tuple(y_RK.shape)}) must be at least ({T * k}, {K})")
+    if T == 0:
+        return out_TK
+    block_k = min(triton.next_power_of_2(K), 1024 if out_TK.is_cuda else 256)
+    block_t = max(1, min(triton.next_power_of_2(T), 4096 // block_k))
+    grid = (triton.cdiv(T, block_t), triton.cdiv(K, block_k))
+    has_map = expert_map_E is not None
+    _moe_sum_kernel[grid](y_RK, out_TK, topk_ids_Tk, expert_map_E if has_map else topk_ids_Tk, T, K, k,
+                          num_local_experts, *y_RK.stride(), *out_TK.stride(), *topk_ids_Tk.stride(),
+                          HAS_MAP=has_map, BLOCK_T=block_t, BLOCK_K=block_k, num_warps=4)
+    return out_TK
+
+
+def moe_sum_torch(
+    y_RK: torch.Tensor,
+    topk_ids_Tk: torch.Tensor,
+    num_local_experts: int,
+    expert_map_E: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
+    """Float32 oracle of moe_sum: (T, K)."""
+    T, k = topk_ids_Tk.shape
+    ids = topk_ids_Tk.long()
+    if expert_map_E is not None:
+        ids = torch.where(ids >= 0, expert_map_E.long()[ids.clamp(min=0)], torch.full_like(ids, -1))
+    held = (ids >= 0) & (ids < num_local_experts)
+    y = y_RK[: T * k].float().reshape(T, k, -1)
+    return torch.where(held.unsqueeze(-1), y, torch.zeros_like(y)).sum(dim=1)
