@@ -1,0 +1,131 @@
+"""BatchedTritonExperts: BatchedExperts-format experts in Triton.
+
+Shape legend: El local experts, Bt slots per expert, K hidden, N2 = w1 rows, Ni = N2 / 2,
+G groups of the intermediate.
+
+Expert e computes its first expert_num_tokens[e] slots (read on the device; no host sync):
+  GEMM1 (El, Bt, N2) -> act_and_mul (+ fp8 re-quantization) -> GEMM2 into output (El, Bt, K).
+Slots at or past expert_num_tokens[e] are left untouched; the PF weights and reduces the rest.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from moe_modular.config import Activation, MoEConfig
+from moe_modular.experts.triton_common import (
+    TileSelector,
+    WorkspaceLayout,
+    bytes_to_numel,
+    check_device,
+    h1_dtype,
+    intermediate_regions,
+    overlapping_view,
+    scheme_modes,
+    triton_supports,
+)
+from moe_modular.interfaces import ActivationFormat, ExpertTokensMetadata, FusedMoEExpertsModular
+from moe_modular.quant import MoEQuantParams
+from moe_modular.weight_and_reduce import TopKWeightAndReduceDelegate
+
+
+class BatchedTritonExperts(FusedMoEExpertsModular):
+    """bf16 / fp16 / fp32, unquantized or any fp8 scheme (as TritonExperts); SiLU, GELU,
+    swiglu-oai. Takes slots already grouped per local expert, so expert maps were applied by the
+    PF. Writes unweighted (El, Bt, K) slot outputs; the PF picks the reduction (Delegate).
+
+    Extra keyword: tile_table (a TileConfigTable) or tile_config (fixed tiles), as TritonExperts.
+    """
+
+    def __init__(self, moe: MoEConfig, quant: MoEQuantParams, max_num_tokens: Optional[int] = None,
+                 num_dispatchers: int = 1, *, tile_table=None, tile_config=None) -> None:
+        super().__init__(moe, quant, max_num_tokens=max_num_tokens, num_dispatchers=num_dispatchers)
+        self.modes = scheme_modes(moe.quant)
+        self.tiles = TileSelector(moe, tile_table, tile_config)
+
+    @classmethod
+    def supports(cls, moe: MoEConfig) -> tuple[bool, str]:
+        return triton_supports(moe)
+
+    @classmethod
+    def activation_formats(cls) -> tuple[ActivationFormat, ActivationFormat]:
+        return ActivationFormat.BatchedExperts, ActivationFormat.BatchedExperts
+
+    def supports_expert_map(self) -> bool:
+        return True
+
+    def supports_chunking(self) -> bool:
+        return False
+
+    def _layout(self, B: int, N2: int, K: int, El: int) -> tuple[int, WorkspaceLayout]:
+        rows = El * B
+        h1_bytes = rows * N2 * torch.empty((), dtype=h1_dtype(self.moe)).element_size()
+        return bytes_to_numel(h1_bytes, self.moe.dtype), intermediate_regions(
+            WorkspaceLayout(), rows, N2 // 2, El, self.moe)
+
+    def workspace_shapes(self, M, N, K, topk, global_num_experts, local_num_experts, expert_tokens_meta):
+        """M is Bt. workspace13 holds h1 (El, Bt, N2); workspace2 the intermediate and its scales.
+        Output (El, Bt, K) unweighted."""
+        ws13, ws2 = self._layout(M, N, K, local_num_experts)
+        return (ws13,), (ws2.numel(self.moe.dtype),), (local_num_experts, M, K), self.moe.dtype
+
+    def finalize_weight_and_reduce_impl(self):
+        return TopKWeightAndReduceDelegate()
+
+    def apply(
+        self,
+        output: torch.Tensor,
+        hidden_states: torch.Tensor,
+        w1: torch.Tensor,
+        w2: torch.Tensor,
+        topk_weights: torch.Tensor,
+        topk_ids: torch.Tensor,
+        activation: Activation,
+        global_num_experts: int,
+        expert_map: Optional[torch.Tensor],
+        a1q_scale: Optional[torch.Tensor],
+        a2_scale: Optional[torch.Tensor],
+        workspace13: torch.Tensor,
+        workspace2: torch.Tensor,
+        expert_tokens_meta: Optional[ExpertTokensMetadata],
+        apply_router_weight_on_input: bool,
+    ) -> None:
+        """output (El, Bt, K) activation dtype; hidden_states (El, Bt, K) fp8 (a1q_scale (1,) /
+        (El, Bt, 1) / (El, Bt, G)) or the activation dtype; w1 (El, N2, K), w2 (El, K, Ni);
+        expert_tokens_meta.expert_num_tokens (El,) int32 on the device; a2_scale (1,) when static.
+        topk_weights / topk_ids / expert_map are not read (the PF reduces)."""
+        from moe_modular.kernels.act_and_mul import RowMode, act_and_mul
+        from moe_modular.kernels.moe_gemm import AScale, moe_gemm
+
+        if expert_tokens_meta is None:
+            raise ValueError("BatchedTritonExperts needs expert_tokens_meta (expert_num_tokens)")
+        check_device(hidden_states)
+        El, B, K = hidden_states.shape
+        _, N2, _ = w1.shape
+        if w1.shape[0] != El:
+            raise ValueError(f"hidden_states experts ({El}) must equal w1.size(0) ({w1.shape[0]})")
+        Ni = N2 // 2
+        counts = expert_tokens_meta.expert_num_tokens
+        activation = Activation.parse(activation)
+        q, modes = self.quant, self.modes
+        group = q.config.block_shape if q.config.is_block else (1, 1)
+        cfg = self.tiles(B, El, Ni, K, self.moe.topk, hidden_states.device)
+        _, layout = self._layout(B, N2, K, El)
+        h1 = overlapping_view(workspace13, (El, B, N2), h1_dtype(self.moe))
+        buf = layout.carve(workspace2)
+        a1_mode = modes.a1
+        if a1_mode is AScale.TENSOR and a1q_scale is not None and a1q_scale.numel() != 1:
+            raise ValueError(f"a1q_scale ({tuple(a1q_scale.shape)}) must be (1,) for {q.config.name}")
+
+        moe_gemm(hidden_states, w1, h1, cfg.gemm1, a_scale=a1q_scale, a_scale_mode=a1_mode, b_scale=q.w1_scale,
+                 b_scale_mode=modes.w, group_shape=group, expert_num_tokens_El=counts)
+        inter = buf["intermediate"]
+        inter_scale = buf.get("intermediate_scale", a2_scale)
+        act_and_mul(h1.view(El * B, N2), activation, inter, quant=modes.intermediate, scale=inter_scale,
+                    amax_El=buf.get("amax"), group_size=group[1] if q.config.is_block else 128,
+                    row_mode=RowMode.BATCHED, num_local_experts=El, expert_num_tokens_El=counts, slots=B)
+        if inter_scale is not None and inter_scale.dim() == 2:
+            inter_scale = inter_scale.view(El, B, inter_scale.shape[1])
+        moe_gemm(inter.view(El, B, Ni), w2, output, cfg.gemm2, a_scale=inter_scale, a_scale_mode=modes.a2,
+                 b_scale=q.w2_scale, b_scale_mode=modes.w, group_shape=group, expert_num_tokens_El=counts)
