@@ -247,12 +247,15 @@ class All2AllManager(ABC):
     # ---- the collectives -------------------------------------------------------------------
     @abstractmethod
     def dispatch(self, handle: All2AllHandle, rows_RB: torch.Tensor, layout: RowLayout,
-                 async_op: bool = False) -> PendingCollective[torch.Tensor]:
-        """Send rows_RB (R, B) (any dtype; 2-D) as the family's semantics say; see the class docstring."""
+                 async_op: bool = False, tag: str = "rows") -> PendingCollective[torch.Tensor]:
+        """Send rows_RB (R, B) (any dtype; 2-D) as the family's semantics say; see the class docstring.
+
+        The result may live in a handle buffer named after `tag`: it stays valid until the next
+        call with the same tag on the same handle, so collectives in flight together need distinct tags."""
 
     @abstractmethod
     def combine(self, handle: All2AllHandle, rows_RB: torch.Tensor, layout: RowLayout,
-                async_op: bool = False) -> PendingCollective[torch.Tensor]:
+                async_op: bool = False, tag: str = "rows") -> PendingCollective[torch.Tensor]:
         """The reverse of dispatch for the same layout; see the class docstring."""
 
     # ---- lifecycle -------------------------------------------------------------------------

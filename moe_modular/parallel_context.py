@@ -67,10 +67,12 @@ class ParallelContext:
         return manager
 
     def check_moe(self, moe: MoEConfig, who: str) -> None:
-        """Raise unless `moe.parallel` describes this context's layout."""
-        if moe.parallel != self.parallel:
+        """Raise unless `moe.parallel` has this context's ep_size and ep_rank (placement is per layer)."""
+        p = moe.parallel
+        if (p.ep_size, p.ep_rank) != (self.parallel.ep_size, self.parallel.ep_rank):
             raise ValueError(
-                f"{who}: moe.parallel ({moe.parallel}) must equal the context's parallel config ({self.parallel})"
+                f"{who}: moe.parallel (ep_size={p.ep_size}, ep_rank={p.ep_rank}) must match the context "
+                f"(ep_size={self.parallel.ep_size}, ep_rank={self.parallel.ep_rank})"
             )
 
     def destroy(self) -> None:
