@@ -101,8 +101,16 @@ def _act_tile(x_row_ptrs, offs_n, mask, N, stride_xn, ACTIVATION: tl.constexpr):
 
 
 @triton.jit
+def _scale_of(amax):
+    """The fp8 scale of an amax, as quant.py computes it."""
+    a = tl.maximum(amax, _MIN_AMAX)
+    return tl.math.div_rn(a, tl.zeros_like(a) + _FP8_MAX)
+
+
+@triton.jit
 def _to_fp8(h, scale, out_dtype: tl.constexpr):
-    q = tl.fdiv(h, scale, ieee_rounding=True)
+    # Correctly rounded division (what torch computes), so fp8 rounding matches the oracle's.
+    q = tl.math.div_rn(h, tl.zeros_like(h) + scale)
     return tl.minimum(tl.maximum(q, -_FP8_MAX), _FP8_MAX).to(out_dtype)
 
 
@@ -130,7 +138,6 @@ def _act_and_mul_kernel(
     rows64 = rows.to(tl.int64)
     x_rows = x_ptr + rows64[:, None] * stride_xm
     o_rows = out_ptr + rows64[:, None] * stride_om
-    out_dtype: tl.constexpr = out_ptr.dtype.element_ty
 
     if QUANT == _Q_AMAX or QUANT == _Q_TOKEN:
         amax = tl.zeros((BLOCK_R,), dtype=tl.float32)
@@ -142,12 +149,12 @@ def _act_and_mul_kernel(
         if QUANT == _Q_AMAX:
             tl.atomic_max(amax_ptr + expert, amax, mask=valid)
             return
-        row_scale = tl.maximum(amax, _MIN_AMAX) / _FP8_MAX
+        row_scale = _scale_of(amax)
         tl.store(scale_ptr + rows64 * stride_sm, row_scale, mask=valid)
     if QUANT == _Q_STATIC:
         tensor_scale = tl.load(scale_ptr)
     if QUANT == _Q_EXPERT:
-        expert_scale = tl.maximum(tl.load(amax_ptr + expert, mask=valid, other=1.0), _MIN_AMAX) / _FP8_MAX
+        expert_scale = _scale_of(tl.load(amax_ptr + expert, mask=valid, other=1.0))
         tl.store(scale_ptr + expert, expert_scale, mask=valid)
 
     for n0 in range(0, N, BLOCK_N):
@@ -155,17 +162,17 @@ def _act_and_mul_kernel(
         m = valid[:, None] & (offs_n[None, :] < N)
         h = _act_tile(x_rows, offs_n, m, N, stride_xn, ACTIVATION)
         if QUANT == _Q_NONE:
-            y = h.to(out_dtype)
+            y = h.to(out_ptr.dtype.element_ty)
         elif QUANT == _Q_STATIC:
-            y = _to_fp8(h, tensor_scale, out_dtype)
+            y = _to_fp8(h, tensor_scale, out_ptr.dtype.element_ty)
         elif QUANT == _Q_EXPERT:
-            y = _to_fp8(h, expert_scale[:, None], out_dtype)
+            y = _to_fp8(h, expert_scale[:, None], out_ptr.dtype.element_ty)
         elif QUANT == _Q_TOKEN:
-            y = _to_fp8(h, row_scale[:, None], out_dtype)
+            y = _to_fp8(h, row_scale[:, None], out_ptr.dtype.element_ty)
         else:  # _Q_GROUP: BLOCK_N is the group size
-            group_scale = tl.maximum(tl.max(tl.where(m, tl.abs(h), 0.0), axis=1), _MIN_AMAX) / _FP8_MAX
+            group_scale = _scale_of(tl.max(tl.where(m, tl.abs(h), 0.0), axis=1))
             tl.store(scale_ptr + rows64 * stride_sm + (n0 // BLOCK_N) * stride_sn, group_scale, mask=valid)
-            y = _to_fp8(h, group_scale[:, None], out_dtype)
+            y = _to_fp8(h, group_scale[:, None], out_ptr.dtype.element_ty)
         tl.store(o_rows + offs_n[None, :] * stride_on, y, mask=m)
 
 
