@@ -31,7 +31,7 @@ from tests.modular_kernel_tools.mk_objects import (
     PREPARE_FINALIZE_BY_NAME,
     lookup,
 )
-from tests.modular_kernel_tools.matrix import CellOutcome, matrix_configs, run_config
+from tests.modular_kernel_tools.matrix import CellOutcome, matrix_configs, run_configs
 from tests.modular_kernel_tools.progress import ProgressBar
 
 # Problem sizes for the matrix on the CPU. Each line covers an edge:
@@ -52,9 +52,18 @@ _CELLS = matrix_configs(
 )
 
 
-@pytest.mark.parametrize("cfg", [c for c, ok, _ in _CELLS if ok], ids=_cell_id)
-def test_modular_kernel_combination(cfg: Config):
-    outcome = run_config(cfg)
+_VALID = [c for c, ok, _ in _CELLS if ok]
+
+
+@pytest.fixture(scope="module")
+def matrix_outcomes():
+    """Every valid cell's outcome, run once: one spawn per world size for all of its cells."""
+    return run_configs(_VALID)
+
+
+@pytest.mark.parametrize("cfg", _VALID, ids=_cell_id)
+def test_modular_kernel_combination(cfg: Config, matrix_outcomes):
+    outcome = matrix_outcomes[cfg]
     failed = [r for r in outcome.results if not r.passed]
     assert outcome.error is None, outcome.error
     assert len(outcome.results) == len(cfg.Ms) * len(cfg.topks) * cfg.world_size
@@ -184,8 +193,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     skipped = [(c, r) for c, ok, r in cells if not ok]
     rows = []
     bar = None if req.explicit_pair else ProgressBar(len(runnable), "matrix")
-    for cfg in runnable:
-        outcome = run_config(cfg)
+
+    def report(cfg: Config, outcome: CellOutcome) -> None:
         if req.explicit_pair:
             _print_case_lines(cfg, outcome)
         if outcome.error:
@@ -193,6 +202,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         rows.append((cfg, outcome))
         if bar:
             bar.update(1, cfg.describe())
+
+    run_configs(runnable, on_done=report)
     if bar:
         bar.close()
     failed = [(c, o) for c, o in rows if not o.passed]

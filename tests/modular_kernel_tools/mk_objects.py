@@ -4,21 +4,37 @@ from __future__ import annotations
 
 import torch
 
+from moe_modular.experts.batched_triton_experts import BatchedTritonExperts
 from moe_modular.experts.naive_batched_experts import NaiveBatchedExperts
 from moe_modular.experts.torch_experts import TorchExperts
+from moe_modular.experts.triton_experts import TritonExperts
 from moe_modular.interfaces import FusedMoEExpertsModular, FusedMoEPrepareAndFinalizeModular
+from moe_modular.prepare_finalize.all_to_all_prepare_and_finalize import AllToAllPrepareAndFinalize
+from moe_modular.prepare_finalize.allgather_reducescatter_prepare_and_finalize import (
+    AllGatherReduceScatterPrepareAndFinalize,
+)
 from moe_modular.prepare_finalize.batched import BatchedPrepareAndFinalize
+from moe_modular.prepare_finalize.low_latency_all2all_prepare_and_finalize import LowLatencyAll2AllPrepareAndFinalize
+from moe_modular.prepare_finalize.naive_all2all_prepare_and_finalize import NaiveAll2AllPrepareAndFinalize
 from moe_modular.prepare_finalize.no_ep import MoEPrepareAndFinalizeNoEP
+from moe_modular.prepare_finalize.slice_allgather_prepare_and_finalize import SliceAllGatherPrepareAndFinalize
 from moe_modular.quant import QuantConfig
 
 MK_ALL_PREPARE_FINALIZE_TYPES: list[type[FusedMoEPrepareAndFinalizeModular]] = [
     MoEPrepareAndFinalizeNoEP,
     BatchedPrepareAndFinalize,
+    NaiveAll2AllPrepareAndFinalize,
+    AllGatherReduceScatterPrepareAndFinalize,
+    AllToAllPrepareAndFinalize,
+    LowLatencyAll2AllPrepareAndFinalize,
+    SliceAllGatherPrepareAndFinalize,
 ]
 
 MK_FUSED_EXPERT_TYPES: list[type[FusedMoEExpertsModular]] = [
     TorchExperts,
     NaiveBatchedExperts,
+    TritonExperts,
+    BatchedTritonExperts,
 ]
 
 # (activation dtype, scheme) pairs the matrix runs: every 16/32-bit dtype unquantized, and each
