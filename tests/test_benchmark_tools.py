@@ -1,0 +1,128 @@
+"""tools/benchmark_moe.py and tools/tune_moe.py: the floor arithmetic, input rotation, and both tools
+end to end on tiny shapes on the CPU (--smoke)."""
+from __future__ import annotations
+
+import csv
+import math
+import os
+
+import pytest
+import torch
+
+from moe_modular.quant import QuantConfig
+from tools import benchmark_moe as bm
+
+H200_CEILINGS = {"copy_Bps": 4.24e12, "bf16_flops": 701e12, "fp8_flops": 1400e12}
+
+FLOOR_CASES = [
+    # (shape, quant, M, distinct experts, expected bound)
+    (bm.SHAPES["mixtral"], QuantConfig(), 1, 2, "memory"),  # decode: two experts' weights streamed
+    (bm.SHAPES["mixtral"], QuantConfig(), 16384, 8, "compute"),  # prefill: every expert, flops dominate
+    (bm.SHAPES["qwen3"], QuantConfig.fp8_block((128, 128)), 1, 8, "memory"),  # fp8: 1-byte weights
+    (bm.SHAPES["deepseek-v3"], QuantConfig.fp8_per_token(), 16384, 256, "compute"),  # fp8 matmul rate
+]
+
+
+@pytest.mark.parametrize("shape,qc,M,distinct,bound", FLOOR_CASES, ids=lambda v: str(v)[:40])
+def test_floor_matches_benchmarks_md(shape, qc, M, distinct, bound):
+    nbytes, flops, t, got_bound = bm.floor_of(shape, qc, M, distinct, H200_CEILINGS)
+    per_weight = 1 if qc.is_quantized else 2
+    assert nbytes == distinct * 3 * shape.N * shape.K * per_weight + 2 * M * shape.K * 2
+    assert flops == 2 * M * shape.topk * 3 * shape.N * shape.K
+    rate = H200_CEILINGS["fp8_flops" if qc.is_quantized else "bf16_flops"]
+    assert t == pytest.approx(max(nbytes / H200_CEILINGS["copy_Bps"], flops / rate))
+    assert got_bound == bound
+
+
+def test_floor_without_a_matmul_rate_is_memory_only():
+    # An fp8 run on a device where the fp8 rate could not be measured: the memory floor alone.
+    ceil = dict(H200_CEILINGS, fp8_flops=0.0)
+    nbytes, _, t, bound = bm.floor_of(bm.SHAPES["qwen3"], QuantConfig.fp8_per_token(), 64, 100, ceil)
+    assert bound == "memory" and t == pytest.approx(nbytes / ceil["copy_Bps"])
+
+
+def test_rotation_only_where_the_data_fits_in_l2():
+    l2 = 50 << 20
+    qwen, mixtral = bm.SHAPES["qwen3"], bm.SHAPES["mixtral"]
+    assert bm.n_sets_for(qwen, QuantConfig(), 1, l2) > 1  # 8 small experts: 75 MB per forward
+    assert bm.n_sets_for(qwen, QuantConfig(), 1024, l2) == 1  # every expert: 1.2 GB
+    assert bm.n_sets_for(mixtral, QuantConfig(), 1, l2) == 1  # two experts: 700 MB
+    assert bm.n_sets_for(qwen, QuantConfig(), 1, 0) == 1  # CPU: no L2 figure, no rotation
+    assert bm.n_sets_for(bm.SMOKE_SHAPES["tiny"], QuantConfig(), 1, l2) == bm.MAX_SETS
+
+
+def test_inputs_are_seeded_and_count_distinct_experts():
+    shape = bm.SMOKE_SHAPES["tiny-e16"]
+    a = bm.make_inputs(shape, 9, 2, torch.device("cpu"), seed=3)
+    b = bm.make_inputs(shape, 9, 2, torch.device("cpu"), seed=3)
+    assert torch.equal(a[0].topk_ids, b[0].topk_ids) and not torch.equal(a[0].topk_ids, a[1].topk_ids)
+    for s in a:
+        assert s.distinct == torch.unique(s.topk_ids).numel()
+        assert torch.allclose(s.topk_weights.sum(-1), torch.ones(9))
+        # top-k ids of one token are distinct experts
+        assert all(len(set(row.tolist())) == shape.topk for row in s.topk_ids)
+
+
+def test_benchmark_smoke_on_cpu(tmp_path):
+    rc = bm.main(["--smoke", "--out", str(tmp_path), "--experts", "grouped_mm", "--shapes", "tiny", "tiny-e16",
+                  "-m", "1", "8"])
+    assert rc == 0
+    with open(tmp_path / "benchmark_moe.csv") as f:
+        rows = list(csv.DictReader(f))
+    assert len(rows) == 4 and {r["shape"] for r in rows} == {"tiny", "tiny-e16"}
+    for r in rows:
+        assert r["status"] == "ok", r["status"]
+        assert float(r["eager_us"]) > 0 and float(r["floor_us"]) > 0
+        assert float(r["frac_eager"]) == pytest.approx(float(r["floor_us"]) / float(r["eager_us"]))
+        assert float(r["check_rel_err"]) < 2 * torch.finfo(torch.bfloat16).eps
+        assert float(r["experts_us"]) > 0  # the experts phase was found in the profile
+    text = (tmp_path / "benchmark_moe.md").read_text()
+    assert "| tiny | grouped_mm |" in text and "geometric mean" in text
+    assert (tmp_path / "ceilings.json").exists()
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        return
+    assert (tmp_path / "benchmark_moe.png").stat().st_size > 0
+
+
+def test_benchmark_rejects_unknown_names(capsys):
+    with pytest.raises(SystemExit):
+        bm.parse_args(["--quant", "int4"])
+    assert "--quant ('int4') must be one of" in capsys.readouterr().err
+
+
+def test_tune_smoke_writes_a_table_tile_config_reads(tmp_path):
+    yaml = pytest.importorskip("yaml")
+    from moe_modular.tile_config import TileConfigTable, TileKey
+    from tools import tune_moe
+
+    if torch.cuda.is_available():
+        pytest.skip("the smoke tune runs the CPU interpreter")
+    assert tune_moe.main(["--smoke", "--out", str(tmp_path)]) == 0
+    tables = [p for p in os.listdir(tmp_path) if p.endswith(".yaml")]
+    assert len(tables) == 1
+    with open(tmp_path / tables[0]) as f:
+        key, buckets = TileConfigTable.parse(yaml.safe_load(f), tables[0])
+    shape = bm.SMOKE_SHAPES["tiny"]
+    assert key == TileKey(shape.E, shape.N, shape.K, "bfloat16", "unquantized", "cpu")
+    assert tables[0] == TileConfigTable.file_name(key)
+    assert list(buckets) == [8]
+    with open(tmp_path / "tune_moe.csv") as f:
+        trials = list(csv.DictReader(f))
+    assert len(trials) == len(tune_moe.SMOKE_SPACE)
+    best = min(trials, key=lambda r: float(r["us"]))
+    assert int(best["g1_BLOCK_M"]) == buckets[8].block_m and math.isfinite(float(best["us"]))
+
+
+def test_tune_space_is_pruned():
+    from tools import tune_moe
+
+    # fp8 block: BLOCK_K never crosses the 128-wide scale group.
+    assert all(t[2] <= 128 for t in tune_moe.candidates("full", 1, 64.0, 128, None, 0))
+    # decode: no 128-row tiles when experts get a token or two.
+    assert all(t[0] == 16 for t in tune_moe.candidates("full", 2, 0.5, None, None, 0))
+    # shared memory: stages * (BM*BK + BK*BN) * bytes within the budget.
+    for t in tune_moe.candidates("full", 2, 1024.0, None, None, 0):
+        assert t[5] * (t[0] * t[2] + t[2] * t[1]) * 2 <= tune_moe.SMEM_BYTES
+    assert len(tune_moe.candidates("full", 2, 1024.0, None, 7, 0)) == 7

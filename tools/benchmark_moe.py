@@ -1,0 +1,639 @@
+"""Benchmark one MoE layer forward (routing given) against the hardware floor of BENCHMARKS.md.
+
+    python -m tools.benchmark_moe --out OUT                                # bf16, 3 shapes, 7 M each
+    python -m tools.benchmark_moe --quant bf16 fp8-token fp8-block --out OUT
+    python -m tools.benchmark_moe --shapes qwen3 -m 1 256 --experts grouped_mm
+    python -m tools.benchmark_moe --smoke --out OUT                         # tiny shapes on the CPU
+
+For each quant scheme, shape and M: FusedMoEModularKernel(MoEPrepareAndFinalizeNoEP, experts) for each
+experts class (TritonExperts, GroupedMMExperts), timed eager and as a CUDA graph replay; the floor
+    bytes  = distinct experts hit x 3*N*K x bytes per weight + M*K*2 (bf16 in) + M*K*2 (bf16 out)
+    flops  = 2 * M * topk * 3 * N * K
+    floor  = max(bytes / copy bandwidth, flops / matmul rate)   (fp8: the fp8 matmul rate)
+with both ceilings measured at the start of the same run (a 2 GiB device-to-device copy counting read
+and write; an 8192^3 bf16 matmul; an 8192^3 fp8 torch._scaled_mm). Results are "fraction of floor"
+= floor / measured (1.0 = at the limit).
+
+Timing (do_bench style): warm-up, a time estimate, then repetitions each preceded by an L2 flush and
+bracketed by CUDA events; the median. Where one forward's data fits in L2 (tiny batches), each
+repetition rotates over several input sets (own tokens and routing), and the CUDA graph holds one
+forward per set (time divided by the sets). Phases: the modular kernel's record_function ranges
+(prepare / experts / finalize), their device time per call from one profiled eager run.
+
+Writes OUT/benchmark_moe.csv (one row per cell), OUT/ceilings.json and OUT/benchmark_moe.png
+(fraction of floor vs M per shape; needs matplotlib). Prints the table last.
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import importlib
+import json
+import math
+import os
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import torch
+
+from moe_modular.quant import QuantConfig, quantize_weights
+
+
+@dataclass(frozen=True)
+class Shape:
+    """One MoE layer: E experts, hidden K, intermediate N, top-k."""
+
+    label: str
+    E: int
+    K: int
+    N: int
+    topk: int
+
+
+SHAPES: dict[str, Shape] = {
+    "mixtral": Shape("Mixtral-8x7B", 8, 4096, 14336, 2),
+    "qwen3": Shape("Qwen3-30B-A3B", 128, 2048, 768, 8),
+    "deepseek-v3": Shape("DeepSeek-V3", 256, 7168, 2048, 8),
+}
+SMOKE_SHAPES: dict[str, Shape] = {
+    "tiny": Shape("tiny", 8, 64, 32, 2),
+    "tiny-e16": Shape("tiny-e16", 16, 128, 64, 4),
+}
+BENCH_MS = [1, 8, 64, 256, 1024, 4096, 16384]
+SMOKE_MS = [1, 8, 33]
+
+QUANTS: dict[str, QuantConfig] = {
+    "bf16": QuantConfig.unquantized(),
+    "fp8-tensor": QuantConfig.fp8_per_tensor(),
+    "fp8-token": QuantConfig.fp8_per_token(),
+    "fp8-block": QuantConfig.fp8_block((128, 128)),
+}
+
+# name -> "module:Class"; imported on use so one missing class does not stop the others.
+EXPERTS: dict[str, str] = {
+    "triton": "moe_modular.experts.triton_experts:TritonExperts",
+    "grouped_mm": "moe_modular.experts.grouped_mm_experts:GroupedMMExperts",
+}
+
+# vLLM's Triton fused_moe, fraction of floor on one H200, bf16, eager (BENCHMARKS.md).
+VLLM_FRACTION: dict[str, list[float]] = {
+    "mixtral": [0.83, 1.00, 0.99, 0.90, 0.61, 0.76, 0.81],
+    "qwen3": [0.15, 0.77, 0.91, 0.85, 0.74, 0.50, 0.60],
+    "deepseek-v3": [0.86, 1.03, 1.08, 1.04, 0.95, 0.63, 0.72],
+}
+
+# Rotate input sets while one forward touches less than this many L2 sizes.
+ROTATE_BELOW_L2 = 4
+MAX_SETS = 8
+# Tokens of the correctness spot check (their output against the float32 oracle).
+CHECK_TOKENS = 4
+# Weights are generated (and quantized) this many bytes of float32 at a time.
+WEIGHT_CHUNK_BYTES = 1 << 30
+
+CSV_FIELDS = ["quant", "shape", "E", "K", "N", "topk", "M", "experts", "status", "n_sets", "distinct_experts",
+              "floor_bytes", "floor_flops", "floor_us", "bound", "eager_us", "graph_us", "frac_eager", "frac_graph",
+              "prepare_us", "experts_us", "finalize_us", "check_rel_err", "vllm_frac"]
+
+
+def log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+# ---- timing --------------------------------------------------------------------------------
+
+class Timer:
+    """do_bench-style timing on one device: CUDA events with an L2 flush before each repetition on a
+    GPU, perf_counter on the CPU."""
+
+    def __init__(self, device: torch.device, rep_ms: float, min_reps: int = 10, max_reps: int = 200) -> None:
+        self.device = device
+        self.cuda = device.type == "cuda"
+        self.rep_ms, self.min_reps, self.max_reps = rep_ms, min_reps, max_reps
+        self.l2_bytes = torch.cuda.get_device_properties(device).L2_cache_size if self.cuda else 0
+        flush_bytes = max(256 << 20, 2 * self.l2_bytes) if self.cuda else 0
+        self._flush = torch.empty(flush_bytes // 4, dtype=torch.int32, device=device) if self.cuda else None
+
+    def sync(self) -> None:
+        if self.cuda:
+            torch.cuda.synchronize(self.device)
+
+    def median_s(self, fn: Callable[[], object], per_call: int = 1) -> float:
+        """Median seconds of fn() / per_call."""
+        fn()
+        self.sync()
+        t0 = time.perf_counter()
+        for _ in range(2):
+            fn()
+        self.sync()
+        est_ms = max((time.perf_counter() - t0) / 2 * 1e3, 1e-3)
+        reps = int(min(self.max_reps, max(self.min_reps, self.rep_ms / est_ms)))
+        times = []
+        if not self.cuda:
+            for _ in range(reps):
+                t0 = time.perf_counter()
+                fn()
+                times.append(time.perf_counter() - t0)
+            return statistics.median(times) / per_call
+        starts = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+        ends = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+        for i in range(reps):
+            self._flush.zero_()
+            starts[i].record()
+            fn()
+            ends[i].record()
+        self.sync()
+        return statistics.median(s.elapsed_time(e) for s, e in zip(starts, ends)) / 1e3 / per_call
+
+
+def measure_ceilings(timer: Timer, smoke: bool) -> dict:
+    """Copy bandwidth (bytes/s, read + write), bf16 and fp8 matmul rates (flop/s; fp8 0 when absent)."""
+    dev = timer.device
+    n_bytes = (16 << 20) if smoke else (2 << 30)
+    src = torch.empty(n_bytes, dtype=torch.uint8, device=dev)
+    dst = torch.empty_like(src)
+    copy_s = timer.median_s(lambda: dst.copy_(src))
+    del src, dst
+    n = 256 if smoke else 8192
+    a = torch.randn(n, n, device=dev, dtype=torch.bfloat16)
+    b = torch.randn(n, n, device=dev, dtype=torch.bfloat16)
+    mm_s = timer.median_s(lambda: torch.mm(a, b))
+    out = {"copy_bytes": 2 * n_bytes, "copy_Bps": 2 * n_bytes / copy_s, "matmul_n": n,
+           "bf16_flops": 2 * n ** 3 / mm_s, "fp8_flops": 0.0, "fp8_note": ""}
+    try:
+        a8 = a.to(torch.float8_e4m3fn)
+        b8 = b.to(torch.float8_e4m3fn).t().contiguous().t()  # column-major, as _scaled_mm wants it
+        one = torch.ones((), device=dev, dtype=torch.float32)
+        fp8_s = timer.median_s(lambda: torch._scaled_mm(a8, b8, one, one, out_dtype=torch.bfloat16))
+        out["fp8_flops"] = 2 * n ** 3 / fp8_s
+    except (RuntimeError, NotImplementedError) as exc:
+        out["fp8_note"] = f"fp8 matmul not measured: {str(exc).splitlines()[0][:160]}"
+    return out
+
+
+# ---- problem -------------------------------------------------------------------------------
+
+@dataclass
+class Weights:
+    w1: torch.Tensor  # (E, 2N, K) bf16 or fp8
+    w2: torch.Tensor  # (E, K, N)
+    qp: object  # MoEQuantParams
+
+
+def make_weights(shape: Shape, qc: QuantConfig, device: torch.device, seed: int) -> Weights:
+    """Seeded random expert weights (scaled by 1/sqrt(fan-in)), quantized to qc, built a chunk of
+    experts at a time so no full-size float32 copy exists."""
+    from moe_modular.quant import MoEQuantParams
+
+    E, K, N = shape.E, shape.K, shape.N
+    per_expert = 2 * N * K * 4
+    chunk = max(1, min(E, WEIGHT_CHUNK_BYTES // per_expert))
+    wdtype = torch.float8_e4m3fn if qc.is_quantized else torch.bfloat16
+    w1 = torch.empty(E, 2 * N, K, dtype=wdtype, device=device)
+    w2 = torch.empty(E, K, N, dtype=wdtype, device=device)
+    scales: dict[str, torch.Tensor] = {}
+    g = torch.Generator(device=device)
+    for e0 in range(0, E, chunk):
+        e1 = min(E, e0 + chunk)
+        g.manual_seed(seed * 100003 + e0)
+        for name, w, fan_in in (("w1", w1, K), ("w2", w2, N)):
+            f = torch.randn((e1 - e0,) + tuple(w.shape[1:]), generator=g, device=device) / math.sqrt(fan_in)
+            q, s = quantize_weights(f, qc)
+            w[e0:e1] = q
+            if s is not None:
+                if name not in scales:
+                    scales[name] = torch.empty((E,) + tuple(s.shape[1:]), dtype=s.dtype, device=device)
+                scales[name][e0:e1] = s
+            del f, q
+    return Weights(w1, w2, MoEQuantParams(qc, scales.get("w1"), scales.get("w2")))
+
+
+@dataclass
+class InputSet:
+    x: torch.Tensor  # (M, K) bf16
+    topk_weights: torch.Tensor  # (M, k) float32
+    topk_ids: torch.Tensor  # (M, k) int32
+    distinct: int  # experts hit
+
+
+def make_inputs(shape: Shape, M: int, n_sets: int, device: torch.device, seed: int) -> list[InputSet]:
+    """n_sets seeded token batches with fixed random routing (top-k of a softmax over random logits)."""
+    sets = []
+    g = torch.Generator(device=device)
+    for i in range(n_sets):
+        g.manual_seed(seed * 7919 + M * 31 + i)
+        x = torch.randn(M, shape.K, generator=g, device=device).to(torch.bfloat16)
+        logits = torch.randn(M, shape.E, generator=g, device=device)
+        tw, ti = torch.topk(torch.softmax(logits, dim=-1), shape.topk, dim=-1)
+        tw = (tw / tw.sum(dim=-1, keepdim=True)).float()
+        sets.append(InputSet(x, tw, ti.to(torch.int32), int(torch.unique(ti).numel())))
+    return sets
+
+
+def weight_bytes_per_expert(shape: Shape, qc: QuantConfig) -> int:
+    return 3 * shape.N * shape.K * (1 if qc.is_quantized else 2)
+
+
+def floor_of(shape: Shape, qc: QuantConfig, M: int, distinct: int, ceil: dict) -> tuple[int, int, float, str]:
+    """(bytes, flops, seconds, "memory" | "compute") of one forward."""
+    nbytes = distinct * weight_bytes_per_expert(shape, qc) + 2 * M * shape.K * 2
+    flops = 2 * M * shape.topk * 3 * shape.N * shape.K
+    rate = ceil["fp8_flops"] if qc.is_quantized else ceil["bf16_flops"]
+    t_mem = nbytes / ceil["copy_Bps"]
+    t_cmp = flops / rate if rate > 0 else float("nan")
+    if not rate > 0:
+        return nbytes, flops, t_mem, "memory"
+    return nbytes, flops, max(t_mem, t_cmp), "memory" if t_mem >= t_cmp else "compute"
+
+
+def n_sets_for(shape: Shape, qc: QuantConfig, M: int, l2_bytes: int) -> int:
+    """Input sets to rotate: enough that the sets together span ROTATE_BELOW_L2 L2 sizes."""
+    if l2_bytes <= 0:
+        return 1
+    hit = min(shape.E, M * shape.topk)
+    touched = hit * weight_bytes_per_expert(shape, qc) + 2 * M * shape.K * 2
+    if touched >= ROTATE_BELOW_L2 * l2_bytes:
+        return 1
+    return int(min(MAX_SETS, max(2, math.ceil(ROTATE_BELOW_L2 * l2_bytes / touched))))
+
+
+# ---- one cell ------------------------------------------------------------------------------
+
+def load_experts(name: str):
+    module, cls = EXPERTS[name].split(":")
+    return getattr(importlib.import_module(module), cls)
+
+
+def experts_runnable(cls, device: torch.device) -> tuple[bool, str]:
+    """Whether cls can run on this device at all (the Triton classes need CUDA or the interpreter)."""
+    if device.type == "cuda" or "triton" not in cls.__module__:
+        return True, ""
+    try:
+        from moe_modular.experts.triton_common import check_device
+
+        check_device(torch.empty(0))
+    except RuntimeError as exc:
+        return False, str(exc)
+    return True, ""
+
+
+def phase_times_us(fn: Callable[[], object], device: torch.device, calls: int = 3) -> dict[str, float]:
+    """Per-call time of the modular kernel's phases over `calls` profiled calls: device time of the
+    kernels launched inside each record_function range on a GPU, CPU time on the CPU."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=activities) as prof:
+        for _ in range(calls):
+            fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+    out = {}
+    for phase in ("prepare", "experts", "finalize"):
+        total = 0.0
+        for evt in prof.events():
+            if evt.name != phase or evt.device_type != torch.autograd.DeviceType.CPU:
+                continue
+            if device.type == "cuda":
+                total += getattr(evt, "device_time_total", None) or getattr(evt, "cuda_time_total", 0.0)
+            else:
+                total += evt.cpu_time_total
+        out[phase] = total / calls
+    return out
+
+
+def spot_check(shape: Shape, qc: QuantConfig, weights: Weights, inp: InputSet, out: torch.Tensor) -> float:
+    """Relative error of the first CHECK_TOKENS output rows against the float32 oracle run on those
+    tokens and the experts they hit (NaN for per-tensor dynamic scales, which depend on the batch)."""
+    from dataclasses import replace
+
+    from moe_modular.reference import moe_torch
+
+    if qc.is_quantized and qc.activation.value == "per-tensor":
+        return float("nan")
+    t = min(CHECK_TOKENS, inp.x.size(0))
+    ids = inp.topk_ids[:t].long()
+    used, local = torch.unique(ids, return_inverse=True)
+    qp = weights.qp
+    if qp.w1_scale is not None:
+        qp = replace(qp, w1_scale=qp.w1_scale[used], w2_scale=qp.w2_scale[used])
+    ref = moe_torch(inp.x[:t], weights.w1[used], weights.w2[used], inp.topk_weights[:t], local, quant=qp)
+    return float((out[:t].double() - ref.double()).norm() / ref.double().norm().clamp(min=1e-30))
+
+
+def capture_graph(fns: list[Callable[[], object]], device: torch.device) -> "torch.cuda.CUDAGraph":
+    stream = torch.cuda.Stream(device)
+    stream.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(stream):
+        for fn in fns:
+            fn()
+    torch.cuda.current_stream(device).wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for fn in fns:
+            fn()
+    return graph
+
+
+def run_cell(name: str, shape_key: str, shape: Shape, quant_key: str, qc: QuantConfig, M: int, weights: Weights,
+             sets: list[InputSet], ceil: dict, timer: Timer, args, tile_table) -> dict:
+    from moe_modular.config import MoEConfig
+    from moe_modular.modular_kernel import FusedMoEModularKernel
+    from moe_modular.prepare_finalize.no_ep import MoEPrepareAndFinalizeNoEP
+
+    floor = [floor_of(shape, qc, M, s.distinct, ceil) for s in sets]
+    row = {"quant": quant_key, "shape": shape_key, "E": shape.E, "K": shape.K, "N": shape.N, "topk": shape.topk,
+           "M": M, "experts": name, "n_sets": len(sets),
+           "distinct_experts": statistics.mean(s.distinct for s in sets),
+           "floor_bytes": statistics.mean(f[0] for f in floor), "floor_flops": floor[0][1],
+           "floor_us": statistics.mean(f[2] for f in floor) * 1e6, "bound": floor[0][3]}
+    mi = BENCH_MS.index(M) if M in BENCH_MS else -1
+    if quant_key == "bf16" and shape_key in VLLM_FRACTION and mi >= 0:
+        row["vllm_frac"] = VLLM_FRACTION[shape_key][mi]
+    try:
+        cls = load_experts(name)
+    except (ImportError, AttributeError) as exc:
+        row["status"] = f"unavailable: {exc}"
+        return row
+    moe = MoEConfig(num_experts=shape.E, topk=shape.topk, hidden_dim=shape.K, intermediate_dim=shape.N,
+                    dtype=torch.bfloat16, quant=qc, max_num_tokens=max(M, 1))
+    ok, reason = cls.supports(moe)
+    if ok:
+        ok, reason = experts_runnable(cls, timer.device)
+    if not ok:
+        row["status"] = f"unsupported: {reason}"
+        return row
+    pf = MoEPrepareAndFinalizeNoEP.make(moe)
+    kwargs = {"tile_table": tile_table} if (tile_table is not None and name == "triton") else {}
+    fe = cls(moe, weights.qp, max_num_tokens=pf.max_num_tokens_per_rank(), num_dispatchers=pf.num_dispatchers(),
+             **kwargs)
+    mk = FusedMoEModularKernel(pf, fe)
+    outs = [torch.empty_like(s.x) for s in sets]
+    fns = [(lambda s=s, o=o: mk(s.x, weights.w1, weights.w2, s.topk_weights, s.topk_ids, output=o))
+           for s, o in zip(sets, outs)]
+    status = []
+    try:
+        fns[0]()
+        timer.sync()
+        err = row["check_rel_err"] = spot_check(shape, qc, weights, sets[0], outs[0])
+        if err > args.check_tol or not math.isfinite(outs[0].float().sum().item()):  # NaN err: not checked
+            status.append(f"CHECK FAILED (rel err {err:.3g})")
+        turn = [0]
+
+        def eager():
+            fns[turn[0] % len(fns)]()
+            turn[0] += 1
+
+        row["eager_us"] = timer.median_s(eager) * 1e6
+        row["frac_eager"] = row["floor_us"] / row["eager_us"]
+    except Exception as exc:  # noqa: BLE001 - one failing cell is recorded, the run goes on
+        row["status"] = f"error: {type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:200]}"
+        return row
+    if timer.cuda and args.graph:
+        try:
+            graph = capture_graph(fns, timer.device)
+            row["graph_us"] = timer.median_s(graph.replay, per_call=len(fns)) * 1e6
+            row["frac_graph"] = row["floor_us"] / row["graph_us"]
+            del graph
+        except Exception as exc:  # noqa: BLE001 - recorded in the row's status
+            status.append(f"graph failed: {str(exc).splitlines()[0][:160]}")
+    if args.phases:
+        try:
+            ph = phase_times_us(fns[0], timer.device)
+            row.update({f"{k}_us": v for k, v in ph.items()})
+        except RuntimeError as exc:
+            status.append(f"phases not measured: {str(exc).splitlines()[0][:120]}")
+    row["status"] = "; ".join(status) or "ok"
+    return row
+
+
+# ---- output --------------------------------------------------------------------------------
+
+def _fmt(v, spec=".2f") -> str:
+    if v is None or (isinstance(v, float) and math.isnan(v)):
+        return "-"
+    return format(v, spec)
+
+
+def geomean(values: list[float]) -> float:
+    vals = [v for v in values if v is not None and v > 0 and not math.isnan(v)]
+    return math.exp(sum(map(math.log, vals)) / len(vals)) if vals else float("nan")
+
+
+def table_text(rows: list[dict], ceil: dict, Ms: list[int]) -> str:
+    """Markdown tables of fraction of floor (and times), one per quant scheme."""
+    lines = [f"ceilings: copy {ceil['copy_Bps'] / 1e12:.2f} TB/s, bf16 matmul {ceil['bf16_flops'] / 1e12:.0f} TFLOP/s, "
+             f"fp8 matmul {ceil['fp8_flops'] / 1e12:.0f} TFLOP/s"]
+    for quant in dict.fromkeys(r["quant"] for r in rows):
+        q_rows = [r for r in rows if r["quant"] == quant]
+        lines += ["", f"### {quant}: fraction of floor (floor / measured; eager | CUDA graph)", "",
+                  "| shape | experts | " + " | ".join(f"M={m}" for m in Ms) + " |",
+                  "|---|---|" + "---|" * len(Ms)]
+        for shape in dict.fromkeys(r["shape"] for r in q_rows):
+            s_rows = [r for r in q_rows if r["shape"] == shape]
+            for name in dict.fromkeys(r["experts"] for r in s_rows):
+                cells = []
+                for m in Ms:
+                    r = next((r for r in s_rows if r["experts"] == name and r["M"] == m), None)
+                    if r is None:
+                        cells.append("")
+                    elif r.get("eager_us") is None:
+                        cells.append("n/a")
+                    else:
+                        cells.append(f"{_fmt(r.get('frac_eager'))} \\| {_fmt(r.get('frac_graph'))}")
+                lines.append(f"| {shape} | {name} | " + " | ".join(cells) + " |")
+            vllm = [next((r.get("vllm_frac") for r in s_rows if r["M"] == m), None) for m in Ms]
+            if any(v is not None for v in vllm):
+                lines.append(f"| {shape} | vLLM (BENCHMARKS.md) | " + " | ".join(_fmt(v) for v in vllm) + " |")
+        lines += ["", f"### {quant}: time in us (eager | graph) and floor", "",
+                  "| shape | M | floor us | bound | " + " | ".join(dict.fromkeys(r["experts"] for r in q_rows))
+                  + " |", "|---|---|---|---|" + "---|" * len(dict.fromkeys(r["experts"] for r in q_rows))]
+        names = list(dict.fromkeys(r["experts"] for r in q_rows))
+        for shape in dict.fromkeys(r["shape"] for r in q_rows):
+            for m in Ms:
+                rs = [r for r in q_rows if r["shape"] == shape and r["M"] == m]
+                if not rs:
+                    continue
+                cells = []
+                for name in names:
+                    r = next((r for r in rs if r["experts"] == name), None)
+                    cells.append("n/a" if r is None or r.get("eager_us") is None else
+                                 f"{_fmt(r.get('eager_us'), '.1f')} \\| {_fmt(r.get('graph_us'), '.1f')}")
+                lines.append(f"| {shape} | {m} | {_fmt(rs[0]['floor_us'], '.1f')} | {rs[0]['bound']} | "
+                             + " | ".join(cells) + " |")
+        lines += [""]
+        for name in names:
+            nr = [r for r in q_rows if r["experts"] == name]
+            ge, gg = geomean([r.get("frac_eager") for r in nr]), geomean([r.get("frac_graph") for r in nr])
+            n_cells = sum(1 for r in nr if r.get("eager_us") is not None)
+            beat = [r for r in nr if r.get("vllm_frac") is not None and r.get("eager_us") is not None]
+            at_or_above = sum(1 for r in beat if max(r.get("frac_eager") or 0, r.get("frac_graph") or 0)
+                              >= r["vllm_frac"])
+            extra = f"; cells >= vLLM (best of eager/graph): {at_or_above}/{len(beat)}" if beat else ""
+            lines.append(f"- {quant} {name}: geometric mean over {n_cells} cells: eager {_fmt(ge)}, "
+                         f"graph {_fmt(gg)}{extra}")
+        problems = [r for r in q_rows if r.get("status") not in ("ok", None)]
+        for r in problems:
+            lines.append(f"- {quant} {r['shape']} M={r['M']} {r['experts']}: {r['status']}")
+    return "\n".join(lines)
+
+
+def write_csv(path: str, rows: list[dict]) -> None:
+    with open(path, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=CSV_FIELDS, extrasaction="ignore")
+        w.writeheader()
+        for r in rows:
+            w.writerow({k: ("" if r.get(k) is None else r.get(k)) for k in CSV_FIELDS})
+
+
+def plot(path: str, rows: list[dict], Ms: list[int]) -> Optional[str]:
+    """Fraction of floor vs M, one panel per shape, one figure per quant scheme. Returns a note
+    when matplotlib is missing."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return "matplotlib is not installed; no plot written"
+    for quant in dict.fromkeys(r["quant"] for r in rows):
+        q_rows = [r for r in rows if r["quant"] == quant]
+        shapes = list(dict.fromkeys(r["shape"] for r in q_rows))
+        fig, axes = plt.subplots(1, len(shapes), figsize=(5 * len(shapes), 4), squeeze=False)
+        for ax, shape in zip(axes[0], shapes):
+            s_rows = [r for r in q_rows if r["shape"] == shape]
+            for name in dict.fromkeys(r["experts"] for r in s_rows):
+                for mode, style in (("eager", "-o"), ("graph", "--s")):
+                    pts = [(r["M"], r.get(f"frac_{mode}")) for r in s_rows if r["experts"] == name]
+                    pts = [(m, v) for m, v in pts if v is not None and not math.isnan(v)]
+                    if pts:
+                        ax.plot(*zip(*pts), style, label=f"{name} {mode}")
+            vllm = [(r["M"], r["vllm_frac"]) for r in s_rows if r.get("vllm_frac") is not None]
+            if vllm:
+                vllm = sorted(dict(vllm).items())
+                ax.plot(*zip(*vllm), ":k^", label="vLLM (BENCHMARKS.md)")
+            ax.set_xscale("log", base=2)
+            ax.set_xticks(Ms)
+            ax.set_xticklabels([str(m) for m in Ms], fontsize=7)
+            ax.axhline(1.0, color="grey", lw=0.5)
+            ax.set_ylim(0, 1.3)
+            ax.set_title(f"{shape} ({quant})")
+            ax.set_xlabel("M (tokens)")
+            ax.set_ylabel("fraction of floor")
+            ax.legend(fontsize=7)
+        fig.tight_layout()
+        fig.savefig(plot_path(path, quant), dpi=110)
+        plt.close(fig)
+    return None
+
+
+def plot_path(path: str, quant: str) -> str:
+    """benchmark_moe.png for bf16, benchmark_moe_<quant>.png for the others."""
+    return path if quant == "bf16" else path.replace(".png", f"_{quant}.png")
+
+
+# ---- main ----------------------------------------------------------------------------------
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--shapes", nargs="+", help=f"subset of {list(SHAPES)} (smoke: {list(SMOKE_SHAPES)})")
+    p.add_argument("-m", "--m", dest="ms", type=int, nargs="+", help=f"token counts (default {BENCH_MS})")
+    p.add_argument("--quant", nargs="+", default=["bf16"], help=f"schemes, of {list(QUANTS)}")
+    p.add_argument("--experts", nargs="+", default=list(EXPERTS), help=f"of {list(EXPERTS)}")
+    p.add_argument("--out", default="benchmark_out", help="directory for the CSV, JSON and PNG")
+    p.add_argument("--rep-ms", type=float, default=100.0, help="time budget of one measurement")
+    p.add_argument("--no-graph", dest="graph", action="store_false", help="skip the CUDA graph timing")
+    p.add_argument("--no-phases", dest="phases", action="store_false", help="skip the per-phase profile")
+    p.add_argument("--tile-dir", help="read TritonExperts tile tables from this directory (default: packaged)")
+    p.add_argument("--check-tol", type=float, default=0.05, help="largest relative error of the spot check")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--smoke", action="store_true", help="tiny shapes and ceilings on the CPU (a code-path check)")
+    args = p.parse_args(argv)
+    shapes = SMOKE_SHAPES if args.smoke else SHAPES
+    args.shapes = args.shapes or list(shapes)
+    for s in args.shapes:
+        if s not in shapes:
+            p.error(f"--shapes ({s!r}) must be one of {list(shapes)}")
+    for q in args.quant:
+        if q not in QUANTS:
+            p.error(f"--quant ({q!r}) must be one of {list(QUANTS)}")
+    for e in args.experts:
+        if e not in EXPERTS:
+            p.error(f"--experts ({e!r}) must be one of {list(EXPERTS)}")
+    args.ms = args.ms or (SMOKE_MS if args.smoke else BENCH_MS)
+    if args.smoke:
+        args.rep_ms = min(args.rep_ms, 5.0)
+    return args, shapes
+
+
+def main(argv=None) -> int:
+    args, shapes = parse_args(argv)
+    device = torch.device("cpu" if args.smoke or not torch.cuda.is_available() else "cuda")
+    os.makedirs(args.out, exist_ok=True)
+    timer = Timer(device, args.rep_ms, min_reps=3 if args.smoke else 10)
+    try:
+        import triton
+
+        triton_version = triton.__version__
+    except ImportError:
+        triton_version = "absent"
+    dev_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    log(f"torch {torch.__version__}, triton {triton_version}, device {dev_name}")
+    ceil = measure_ceilings(timer, args.smoke)
+    ceil.update({"torch": torch.__version__, "triton": triton_version, "device": dev_name,
+                 "l2_bytes": timer.l2_bytes, "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+                 "command": "python -m tools.benchmark_moe " + " ".join(sys.argv[1:] if argv is None else argv)})
+    log(f"ceilings: copy {ceil['copy_Bps'] / 1e12:.3f} TB/s, bf16 {ceil['bf16_flops'] / 1e12:.1f} TFLOP/s, "
+        f"fp8 {ceil['fp8_flops'] / 1e12:.1f} TFLOP/s {ceil['fp8_note']}")
+    with open(os.path.join(args.out, "ceilings.json"), "w") as f:
+        json.dump(ceil, f, indent=1)
+    tile_table = None
+    if args.tile_dir:
+        from moe_modular.tile_config import TileConfigTable
+
+        tile_table = TileConfigTable.load(args.tile_dir)
+    rows: list[dict] = []
+    csv_path = os.path.join(args.out, "benchmark_moe.csv")
+    for shape_key in args.shapes:
+        shape = shapes[shape_key]
+        for quant_key in args.quant:
+            qc = QUANTS[quant_key]
+            t0 = time.perf_counter()
+            weights = make_weights(shape, qc, device, args.seed)
+            timer.sync()
+            log(f"{shape_key} {quant_key}: weights {weights.w1.numel() * weights.w1.element_size() * 1.5 / 1e9:.2f} GB "
+                f"in {time.perf_counter() - t0:.1f}s")
+            for M in args.ms:
+                sets = make_inputs(shape, M, n_sets_for(shape, qc, M, timer.l2_bytes), device, args.seed)
+                for name in args.experts:
+                    t0 = time.perf_counter()
+                    row = run_cell(name, shape_key, shape, quant_key, qc, M, weights, sets, ceil, timer, args,
+                                   tile_table)
+                    rows.append(row)
+                    log(f"  {shape_key:12s} {quant_key:10s} M={M:<6d} {name:11s} eager {_fmt(row.get('eager_us'), '.1f')} us "
+                        f"graph {_fmt(row.get('graph_us'), '.1f')} us floor {_fmt(row.get('floor_us'), '.1f')} us "
+                        f"frac {_fmt(row.get('frac_eager'))}|{_fmt(row.get('frac_graph'))} "
+                        f"err {_fmt(row.get('check_rel_err'), '.1e')} [{row.get('status')}] "
+                        f"({time.perf_counter() - t0:.1f}s)")
+                    write_csv(csv_path, rows)  # keep what is done if a later cell dies
+                del sets
+            del weights
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+    write_csv(csv_path, rows)
+    note = plot(os.path.join(args.out, "benchmark_moe.png"), rows, args.ms)
+    if note:
+        log(note)
+    text = table_text(rows, ceil, args.ms)
+    with open(os.path.join(args.out, "benchmark_moe.md"), "w") as f:
+        f.write(f"command: {ceil['command']}\n\ntorch {ceil['torch']}, triton {ceil['triton']}, {dev_name}, "
+                f"{ceil['date']}\n\n{text}\n")
+    print(text)
+    failed = [r for r in rows if str(r.get("status", "")).startswith("error") or "FAILED" in str(r.get("status"))]
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,263 @@
+"""Sweep TritonExperts tile configurations on the GPU and write tuned tables (moe_modular/tile_config.py).
+
+    python -m tools.tune_moe --shapes qwen3 --quant bf16 --out OUT            # every bench M bucket
+    python -m tools.tune_moe --shapes deepseek-v3 -m 1 64 --space small --out OUT
+    python -m tools.tune_moe --smoke --out OUT                               # tiny, CPU interpreter
+
+For each shape, scheme and M bucket, two stages, each candidate timed as the full modular-kernel
+forward (NoEP PF) replayed from a CUDA graph with an L2 flush before each repetition:
+  1. one tile shared by both GEMMs, over the search space (pruned: shared memory, accumulator
+     registers, BLOCK_M against the tokens per expert, BLOCK_K within the fp8 block);
+  2. with the best BLOCK_M kept (both GEMMs share the alignment block), the second GEMM's
+     BLOCK_N / BLOCK_K / GROUP_M / num_warps / num_stages over the same space.
+Writes OUT/<TileConfigTable.file_name(key)> per (shape, scheme) (copy into moe_modular/configs/ to
+ship it) and OUT/tune_moe.csv with every trial. A candidate that fails to compile or launch (out of
+resources) is recorded and skipped. --budget-s stops the sweep and writes what was found.
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import itertools
+import math
+import os
+import random
+import sys
+import time
+from dataclasses import asdict, astuple
+from typing import Optional
+
+import torch
+
+from tools.benchmark_moe import (
+    BENCH_MS,
+    QUANTS,
+    SHAPES,
+    SMOKE_SHAPES,
+    Shape,
+    Timer,
+    capture_graph,
+    log,
+    make_inputs,
+    make_weights,
+    n_sets_for,
+)
+
+# Search spaces: "full" is the cross product below (pruned), "small" a short list that covers the
+# decode (narrow BLOCK_M, deep BLOCK_K) and prefill (128-row tiles, grouped order) regimes.
+FULL_SPACE = dict(BLOCK_M=(16, 32, 64, 128), BLOCK_N=(32, 64, 128, 256), BLOCK_K=(64, 128, 256),
+                  GROUP_M=(1, 8), num_warps=(4, 8), num_stages=(2, 3, 4, 5))
+SMALL_SPACE = [  # (BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, num_warps, num_stages)
+    (16, 32, 128, 1, 4, 4), (16, 64, 128, 1, 4, 4), (16, 64, 256, 1, 4, 3), (16, 128, 128, 1, 4, 3),
+    (32, 64, 128, 1, 4, 4), (32, 128, 64, 1, 4, 4), (64, 64, 64, 8, 4, 4), (64, 128, 64, 8, 4, 4),
+    (64, 128, 128, 8, 8, 3), (128, 128, 64, 8, 4, 4), (128, 128, 64, 8, 8, 4), (128, 256, 64, 8, 8, 3),
+]
+SMOKE_SPACE = [(16, 32, 32, 1, 4, 1), (32, 64, 64, 1, 4, 1)]
+# Hopper: 227 KiB of shared memory per block; keep a margin for the epilogue.
+SMEM_BYTES = 200 * 1024
+# fp32 accumulator registers per thread above which a tile spills.
+MAX_ACC_PER_THREAD = 128
+
+
+def _tile(t: tuple):
+    from moe_modular.kernels.moe_gemm import GemmTile
+
+    return GemmTile(*t)
+
+
+def _fits(t, elt_bytes: int, per_expert: float, block_k_limit: Optional[int]) -> bool:
+    bm, bn, bk, gm, warps, stages = t
+    if stages * (bm * bk + bk * bn) * elt_bytes > SMEM_BYTES:
+        return False
+    if bm * bn / (warps * 32) > MAX_ACC_PER_THREAD:
+        return False
+    if bm * bn < 16 * 64 and warps > 4:
+        return False
+    if block_k_limit is not None and bk > block_k_limit:
+        return False
+    # BLOCK_M far above the tokens an expert gets only pads; keep the smallest block and those up to
+    # twice the average.
+    if bm > 16 and bm > 2 * 2 ** math.ceil(math.log2(max(per_expert, 1))):
+        return False
+    return True
+
+
+def candidates(space: str, elt_bytes: int, per_expert: float, block_k_limit: Optional[int],
+               max_configs: Optional[int], seed: int) -> list[tuple]:
+    """Stage-1 tiles (shared by both GEMMs) as tuples in GemmTile field order."""
+    if space == "smoke":
+        pool = list(SMOKE_SPACE)
+    elif space == "small":
+        pool = list(SMALL_SPACE)
+    else:
+        pool = list(itertools.product(*FULL_SPACE.values()))
+    pool = [t for t in pool if _fits(t, elt_bytes, per_expert, block_k_limit)] if space != "smoke" else pool
+    if max_configs is not None and len(pool) > max_configs:
+        pool = random.Random(seed).sample(pool, max_configs)
+    return pool
+
+
+def gemm2_candidates(best: tuple, pool: list[tuple]) -> list[tuple]:
+    """Stage-2 tiles for the second GEMM: the pool's tiles with BLOCK_M set to best's."""
+    seen, out = set(), []
+    for t in pool:
+        c = (best[0],) + tuple(t[1:])
+        if c != best and c not in seen:
+            seen.add(c)
+            out.append(c)
+    return out
+
+
+class Trial:
+    """Time one forward of TritonExperts with fixed tiles (CUDA graph on a GPU, eager on the CPU)."""
+
+    def __init__(self, shape: Shape, qc, M: int, weights, sets, timer: Timer) -> None:
+        from moe_modular.config import MoEConfig
+        from moe_modular.prepare_finalize.no_ep import MoEPrepareAndFinalizeNoEP
+
+        self.moe = MoEConfig(num_experts=shape.E, topk=shape.topk, hidden_dim=shape.K, intermediate_dim=shape.N,
+                             dtype=torch.bfloat16, quant=qc, max_num_tokens=max(M, 1))
+        self.pf = MoEPrepareAndFinalizeNoEP.make(self.moe)
+        self.weights, self.sets, self.timer = weights, sets, timer
+
+    def __call__(self, tile_config) -> float:
+        from moe_modular.experts.triton_experts import TritonExperts
+        from moe_modular.modular_kernel import FusedMoEModularKernel
+
+        fe = TritonExperts(self.moe, self.weights.qp, tile_config=tile_config)
+        mk = FusedMoEModularKernel(self.pf, fe)
+        w = self.weights
+        fns = [(lambda s=s: mk(s.x, w.w1, w.w2, s.topk_weights, s.topk_ids)) for s in self.sets]
+        if self.timer.cuda:
+            graph = capture_graph(fns, self.timer.device)
+            t = self.timer.median_s(graph.replay, per_call=len(fns))
+            del graph
+            return t
+        return self.timer.median_s(fns[0])
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--shapes", nargs="+", help=f"of {list(SHAPES)} (smoke: {list(SMOKE_SHAPES)})")
+    p.add_argument("-m", "--m", dest="ms", type=int, nargs="+", help=f"M buckets (default {BENCH_MS})")
+    p.add_argument("--quant", nargs="+", default=["bf16"], help=f"of {list(QUANTS)}")
+    p.add_argument("--space", choices=("small", "full"), default="small")
+    p.add_argument("--max-configs", type=int, help="sample at most this many stage-1 tiles per bucket")
+    p.add_argument("--no-gemm2", dest="gemm2", action="store_false", help="skip stage 2 (gemm2 overrides)")
+    p.add_argument("--rep-ms", type=float, default=30.0)
+    p.add_argument("--budget-s", type=float, help="stop after this many seconds and write what was found")
+    p.add_argument("--out", default="tune_out")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--smoke", action="store_true", help="tiny shape, two tiles, the CPU interpreter")
+    args = p.parse_args(argv)
+    shapes = SMOKE_SHAPES if args.smoke else SHAPES
+    args.shapes = args.shapes or (["tiny"] if args.smoke else list(shapes))
+    for s in args.shapes:
+        if s not in shapes:
+            p.error(f"--shapes ({s!r}) must be one of {list(shapes)}")
+    for q in args.quant:
+        if q not in QUANTS:
+            p.error(f"--quant ({q!r}) must be one of {list(QUANTS)}")
+    args.ms = args.ms or ([8] if args.smoke else BENCH_MS)
+    if args.smoke:
+        args.space, args.gemm2, args.rep_ms = "smoke", False, 1.0
+    return args, shapes
+
+
+def main(argv=None) -> int:
+    args, shapes = parse_args(argv)
+    if args.smoke and not torch.cuda.is_available():
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+        from tests.conftest import patch_triton_interpreter
+
+        patch_triton_interpreter()
+    from tests.modular_kernel_tools.progress import ProgressBar
+
+    from moe_modular.tile_config import TileConfig, TileConfigTable, device_name
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    timer = Timer(device, args.rep_ms, min_reps=1 if args.smoke else 5, max_reps=100)
+    dev_key = device_name(device)
+    os.makedirs(args.out, exist_ok=True)
+    deadline = time.monotonic() + args.budget_s if args.budget_s else math.inf
+    trials: list[dict] = []
+    written: list[str] = []
+    for shape_key in args.shapes:
+        shape = shapes[shape_key]
+        for quant_key in args.quant:
+            qc = QUANTS[quant_key]
+            weights = make_weights(shape, qc, device, args.seed)
+            elt = 1 if qc.is_quantized else 2
+            limit = qc.block_shape[1] if qc.is_block else None
+            plans = []
+            for M in args.ms:
+                pool = candidates(args.space, elt, M * shape.topk / shape.E, limit, args.max_configs, args.seed + M)
+                plans.append((M, pool))
+            total = sum(len(pool) * (2 if args.gemm2 else 1) for _, pool in plans)
+            bar = ProgressBar(total, f"{shape_key} {quant_key}")
+            buckets: dict[int, TileConfig] = {}
+            for M, pool in plans:
+                sets = make_inputs(shape, M, n_sets_for(shape, qc, M, timer.l2_bytes), device, args.seed)
+                trial = Trial(shape, qc, M, weights, sets, timer)
+                results: list[tuple[float, TileConfig]] = []
+
+                def run(cfg: TileConfig, stage: int) -> None:
+                    if time.monotonic() > deadline:
+                        bar.update(1, "budget reached")
+                        return
+                    rec = {"shape": shape_key, "quant": quant_key, "M": M, "stage": stage, **{
+                        f"g1_{k}": v for k, v in asdict(cfg.gemm1).items()}, **{
+                        f"g2_{k}": v for k, v in asdict(cfg.gemm2).items()}}
+                    try:
+                        t = trial(cfg)
+                        rec["us"] = t * 1e6
+                        results.append((t, cfg))
+                        note = f"M={M} {t * 1e6:.1f} us"
+                    except Exception as exc:  # noqa: BLE001 - compile / launch failures skip the tile
+                        rec["error"] = f"{type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:160]}"
+                        note = f"M={M} failed"
+                    trials.append(rec)
+                    bar.update(1, note)
+
+                for t in pool:
+                    tile = _tile(t)
+                    run(TileConfig(tile, tile), 1)
+                if results and args.gemm2:
+                    best_t, best = min(results, key=lambda r: r[0])
+                    g1 = best.gemm1
+                    for t2 in gemm2_candidates(astuple(g1), pool):
+                        run(TileConfig(g1, _tile(t2)), 2)
+                    bar.update(max(0, len(pool) - len(gemm2_candidates(astuple(g1), pool))))
+                elif args.gemm2:
+                    bar.update(len(pool))
+                if results:
+                    buckets[M] = min(results, key=lambda r: r[0])[1]
+                del sets, trial
+            bar.close()
+            if buckets:
+                key = TileConfigTable.key_for(shape.E, shape.N, shape.K, torch.bfloat16, qc, dev_key)
+                comment = (f"TritonExperts tiles tuned by tools/tune_moe.py (space {args.space}, CUDA graph, NoEP PF)\n"
+                           f"torch {torch.__version__}, {time.strftime('%Y-%m-%d')}")
+                path = os.path.join(args.out, TileConfigTable.file_name(key))
+                with open(path, "w") as f:
+                    f.write(TileConfigTable.to_yaml(key, buckets, comment))
+                written.append(path)
+                for M, cfg in sorted(buckets.items()):
+                    print(f"{shape_key} {quant_key} M={M}: {cfg.to_dict()}")
+            del weights
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+    if trials:
+        head = ["shape", "quant", "M", "stage"]
+        fields = head + sorted({k for r in trials for k in r} - set(head))
+        with open(os.path.join(args.out, "tune_moe.csv"), "w", newline="") as f:
+            w = csv.DictWriter(f, fieldnames=fields)
+            w.writeheader()
+            w.writerows(trials)
+    for path in written:
+        print(f"wrote {path}")
+    return 0 if written else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
