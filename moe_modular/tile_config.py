@@ -128,16 +128,15 @@ def default_tile_config(M: int, E: int, N: int, K: int, topk: int, dtype: torch.
     else:
         per_expert = M * topk / max(E, 1)
         bk = 128 if fp8 else (32 if dtype == torch.float32 else 64)
-        if per_expert <= 2:
-            base = GemmTile(16, 64, 2 * bk if not fp8 and dtype != torch.float32 else bk, 1, 4, 4)
-        elif per_expert <= 16:
-            base = GemmTile(16, 128, bk * (2 if dtype != torch.float32 and not fp8 else 1), 1, 4, 3)
-        elif per_expert <= 48:
-            base = GemmTile(32, 128, bk, 1, 4, 4)
-        elif per_expert <= 128:
+        wide = fp8 or dtype == torch.float32  # 1-byte or 4-byte elements: keep BLOCK_K at bk
+        if per_expert <= 2:  # weight streaming: deep K tiles, many column tiles
+            base = GemmTile(16, 64, bk if wide else 4 * bk, 1, 4, 3)
+        elif per_expert <= 12:
+            base = GemmTile(16, 128, bk if wide else 2 * bk, 1, 4, 3)
+        elif per_expert <= 96:
             base = GemmTile(64, 128, bk, 8, 4, 4)
-        else:
-            base = GemmTile(128, 128, bk, 8, 8 if fp8 else 4, 3 if fp8 else 4)
+        else:  # compute-bound: the widest tiles that fit shared memory
+            base = GemmTile(128, 256 if not fp8 else 128, bk, 8, 8, 3)
         if dtype == torch.float32:
             base = replace(base, num_stages=min(base.num_stages, 3))
         cfg = TileConfig(base, base)
@@ -225,4 +224,4 @@ class TileConfigTable:
 
     @staticmethod
     def file_name(key: TileKey) -> str:
-        return f"E={key.E},N={key.N},K={key.K},dtype={key.dtype},quant={key.quant},device={key.device}.yaml"
+        return f"E{key.E}_N{key.N}_K{key.K}_{key.dtype}_{key.quant}_{key.device}.yaml"

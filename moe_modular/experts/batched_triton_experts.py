@@ -15,6 +15,7 @@ import torch
 
 from moe_modular.config import Activation, MoEConfig
 from moe_modular.experts.triton_common import (
+    BoundedMemo,
     TileSelector,
     WorkspaceLayout,
     bytes_to_numel,
@@ -43,6 +44,7 @@ class BatchedTritonExperts(FusedMoEExpertsModular):
         super().__init__(moe, quant, max_num_tokens=max_num_tokens, num_dispatchers=num_dispatchers)
         self.modes = scheme_modes(moe.quant)
         self.tiles = TileSelector(moe, tile_table, tile_config)
+        self._layouts = BoundedMemo()
 
     @classmethod
     def supports(cls, moe: MoEConfig) -> tuple[bool, str]:
@@ -59,6 +61,9 @@ class BatchedTritonExperts(FusedMoEExpertsModular):
         return False
 
     def _layout(self, B: int, N2: int, K: int, El: int) -> tuple[int, WorkspaceLayout]:
+        return self._layouts.get_or_make((B, N2, K, El), lambda: self._make_layout(B, N2, K, El))
+
+    def _make_layout(self, B: int, N2: int, K: int, El: int) -> tuple[int, WorkspaceLayout]:
         rows = El * B
         h1_bytes = rows * N2 * torch.empty((), dtype=h1_dtype(self.moe)).element_size()
         return bytes_to_numel(h1_bytes, self.moe.dtype), intermediate_regions(

@@ -89,6 +89,23 @@ def check_device(t: torch.Tensor) -> None:
             "triton is imported to run the kernels through Triton's interpreter")
 
 
+class BoundedMemo:
+    """A per-instance memo of host-side plans keyed by problem size (cleared past `limit` keys, so a
+    server seeing many batch sizes does not grow it without bound)."""
+
+    def __init__(self, limit: int = 4096) -> None:
+        self.limit = limit
+        self._items: dict = {}
+
+    def get_or_make(self, key, make):
+        item = self._items.get(key)
+        if item is None:
+            if len(self._items) >= self.limit:
+                self._items.clear()
+            item = self._items[key] = make()
+        return item
+
+
 class TileSelector:
     """Per-instance tile choice: tuned tables, else the default heuristic; memoized per problem."""
 
@@ -98,7 +115,7 @@ class TileSelector:
         self.table = table
         self.fixed = fixed
         self._devices: dict[torch.device, str] = {}
-        self._chosen: dict[tuple, "TileConfig"] = {}
+        self._chosen = BoundedMemo()
 
     def __call__(self, M: int, El: int, Ni: int, K: int, topk: int, device: torch.device) -> "TileConfig":
         if self.fixed is not None:
@@ -106,14 +123,11 @@ class TileSelector:
         name = self._devices.get(device)
         if name is None:
             name = self._devices[device] = device_name(device)
-        key = (M, El, Ni, K, topk, name)
-        cfg = self._chosen.get(key)
-        if cfg is None:
-            if self.table is None:
-                self.table = TileConfigTable.load()
-            cfg = self.table.select(M, El, Ni, K, topk, self.moe.dtype, self.moe.quant, name)
-            self._chosen[key] = cfg
-        return cfg
+        if self.table is None:
+            self.table = TileConfigTable.load()
+        return self._chosen.get_or_make(
+            (M, El, Ni, K, topk, name),
+            lambda: self.table.select(M, El, Ni, K, topk, self.moe.dtype, self.moe.quant, name))
 
 
 class WorkspaceLayout:
@@ -132,12 +146,12 @@ class WorkspaceLayout:
         for s in shape:
             n *= int(s)
         self._regions.append((name, tuple(int(s) for s in shape), dtype, self._bytes))
-        size = n * torch.empty((), dtype=dtype).element_size()
+        size = n * dtype.itemsize
         self._bytes += -(-size // _ALIGN_BYTES) * _ALIGN_BYTES
         return self
 
     def numel(self, ws_dtype: torch.dtype) -> int:
-        item = torch.empty((), dtype=ws_dtype).element_size()
+        item = ws_dtype.itemsize
         return max(1, -(-self._bytes // item))
 
     def carve(self, ws: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -148,7 +162,7 @@ class WorkspaceLayout:
         raw = flat.view(torch.uint8)
         out = {}
         for name, shape, dtype, off in self._regions:
-            item = torch.empty((), dtype=dtype).element_size()
+            item = dtype.itemsize
             n = 1
             for s in shape:
                 n *= s
@@ -168,14 +182,14 @@ def overlapping_view(ws: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtyp
     n = 1
     for s in shape:
         n *= int(s)
-    nbytes = n * torch.empty((), dtype=dtype).element_size()
+    nbytes = n * dtype.itemsize
     if raw.numel() < nbytes:
         raise ValueError(f"workspace holds {raw.numel()} bytes, a {tuple(shape)} {dtype} view needs {nbytes}")
     return raw[:nbytes].view(dtype).view(shape)
 
 
 def bytes_to_numel(nbytes: int, dtype: torch.dtype) -> int:
-    item = torch.empty((), dtype=dtype).element_size()
+    item = dtype.itemsize
     return max(1, -(-int(nbytes) // item))
 
 

@@ -20,6 +20,7 @@ import torch
 from moe_modular.config import Activation, MoEConfig
 from moe_modular.experts.triton_common import (
     MAX_BLOCK_M,
+    BoundedMemo,
     TileSelector,
     WorkspaceLayout,
     bytes_to_numel,
@@ -65,6 +66,7 @@ class TritonExperts(FusedMoEExpertsModular):
         super().__init__(moe, quant, max_num_tokens=max_num_tokens, num_dispatchers=num_dispatchers)
         self.modes = scheme_modes(moe.quant)
         self.tiles = TileSelector(moe, tile_table, tile_config)
+        self._layouts = BoundedMemo()
 
     @classmethod
     def supports(cls, moe: MoEConfig) -> tuple[bool, str]:
@@ -81,9 +83,12 @@ class TritonExperts(FusedMoEExpertsModular):
         return True
 
     def _layout(self, M: int, N2: int, K: int, topk: int, El: int) -> tuple[int, WorkspaceLayout]:
+        return self._layouts.get_or_make((M, N2, K, topk, El), lambda: self._make_layout(M, N2, K, topk, El))
+
+    def _make_layout(self, M: int, N2: int, K: int, topk: int, El: int) -> tuple[int, WorkspaceLayout]:
         R = M * topk
         h1_bytes = R * N2 * torch.empty((), dtype=h1_dtype(self.moe)).element_size()
-        y_bytes = R * K * torch.empty((), dtype=self.moe.dtype).element_size()
+        y_bytes = R * K * self.moe.dtype.itemsize
         ws13_numel = bytes_to_numel(max(h1_bytes, y_bytes), self.moe.dtype)
         ws2 = intermediate_regions(WorkspaceLayout(), R, N2 // 2, El, self.moe)
         return ws13_numel, _align_regions(ws2, R, El)

@@ -13,6 +13,8 @@ import torch
 import triton
 import triton.language as tl
 
+from moe_modular.kernels.host import cdiv, next_pow2
+
 from moe_modular.config import Activation
 from moe_modular.kernels.moe_align import _local_expert_of_route
 from moe_modular.quant import FP8_DTYPE, FP8_MAX
@@ -220,7 +222,7 @@ def act_and_mul(
         if quant is IntermediateQuant.TENSOR_STATIC:
             raise ValueError("act_and_mul quant tensor-static needs the (1,) scale")
         shape = {IntermediateQuant.TENSOR_DYNAMIC: (num_local_experts,), IntermediateQuant.TOKEN: (R, 1),
-                 IntermediateQuant.GROUP: (R, triton.cdiv(N, group_size))}[quant]
+                 IntermediateQuant.GROUP: (R, cdiv(N, group_size))}[quant]
         scale = torch.empty(shape, dtype=torch.float32, device=x_RN2.device)
     if quant is IntermediateQuant.GROUP and (group_size < 16 or group_size & (group_size - 1)):
         raise ValueError(f"group_size ({group_size}) must be a power of two >= 16")
@@ -235,13 +237,13 @@ def act_and_mul(
     if quant is IntermediateQuant.GROUP:
         block_n = group_size
     else:
-        block_n = min(triton.next_power_of_2(N), 1024 if x_RN2.is_cuda else 128)
+        block_n = min(next_pow2(N), 1024 if x_RN2.is_cuda else 128)
     if block_rows is None:
-        block_rows = max(1, min(triton.next_power_of_2(R), 4096 // block_n)) if x_RN2.is_cuda else 16
+        block_rows = max(1, min(next_pow2(R), 4096 // block_n)) if x_RN2.is_cuda else 16
     dummy = x_RN2
     sc = scale if scale is not None else dummy
     ss = (scale.stride(0), scale.stride(1)) if (scale is not None and scale.dim() == 2) else (0, 0)
-    grid = (triton.cdiv(R, block_rows),)
+    grid = (cdiv(R, block_rows),)
     common = dict(ACTIVATION=code, ROW_MODE=row_mode.value, HAS_MAP=expert_map_E is not None,
                   BLOCK_R=block_rows, BLOCK_N=block_n, num_warps=4)
     ptrs = (topk_ids_Tk if topk_ids_Tk is not None else dummy, expert_map_E if expert_map_E is not None else dummy,

@@ -13,7 +13,8 @@ Output layout (what the grouped GEMM reads):
   num_post_padded (1,) int32: the number of meaningful entries of sorted_ids_S.
 Routes whose expert is not held here (expert_map -1, or a local id outside [0, El)) get no slot.
 
-Everything is computed on the device in three launches (count, offsets, scatter) and sized from
+Everything is computed on the device, in one launch when all routes fit one ALIGN_BLOCK chunk
+(decode) and otherwise in three (count, offsets, scatter), and sized from
 host integers only, so the caller never synchronizes and the allocation does not depend on data.
 """
 from __future__ import annotations
@@ -24,13 +25,15 @@ import torch
 import triton
 import triton.language as tl
 
+from moe_modular.kernels.host import cdiv, next_pow2
+
 # Routes per program in the count and scatter kernels (the in-chunk rank is a BLOCK x BLOCK compare).
 ALIGN_BLOCK = 128
 
 
 def num_bins(num_local_experts: int) -> int:
     """Histogram bins: the next power of two >= num_local_experts."""
-    return triton.next_power_of_2(max(int(num_local_experts), 1))
+    return next_pow2(max(int(num_local_experts), 1))
 
 
 def max_num_blocks(num_routes: int, num_local_experts: int, block_m: int) -> int:
@@ -48,7 +51,7 @@ def sorted_capacity(num_routes: int, num_local_experts: int, block_m: int) -> in
 
 
 def num_chunks(num_routes: int) -> int:
-    return triton.cdiv(num_routes, ALIGN_BLOCK)
+    return cdiv(num_routes, ALIGN_BLOCK)
 
 
 @triton.jit
@@ -92,7 +95,17 @@ def _align_offsets_kernel(counts_ptr, expert_start_ptr, sorted_ids_ptr, block_ex
         before = tl.cumsum(tile, axis=0) - tile + running[None, :]
         tl.store(ptrs, before, mask=m)
         running += tl.sum(tile, axis=0)
-    padded = tl.cdiv(running, BLOCK_M) * BLOCK_M
+    _write_layout(running, expert_start_ptr, sorted_ids_ptr, block_expert_ptr, num_post_padded_ptr, num_routes,
+                  num_blocks, NUM_BINS, BLOCK_M, BLOCKS_PER_ITER)
+
+
+@triton.jit
+def _write_layout(count, expert_start_ptr, sorted_ids_ptr, block_expert_ptr, num_post_padded_ptr, num_routes,
+                  num_blocks, NUM_BINS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCKS_PER_ITER: tl.constexpr):
+    """From the route count of every expert (NUM_BINS,): each expert's padded start (stored and
+    returned), num_post_padded, the expert of every block and the sentinel padding."""
+    bins = tl.arange(0, NUM_BINS)
+    padded = tl.cdiv(count, BLOCK_M) * BLOCK_M
     end = tl.cumsum(padded, axis=0)
     start = end - padded
     tl.store(expert_start_ptr + bins, start)
@@ -106,9 +119,35 @@ def _align_offsets_kernel(counts_ptr, expert_start_ptr, sorted_ids_ptr, block_ex
         owner = tl.where(pos < total, owner, -1)
         tl.store(block_expert_ptr + blk, owner, mask=blk < num_blocks)
     # Sentinel (num_routes) in the < BLOCK_M padding slots after each expert's routes.
-    slot = (start + running)[:, None] + tl.arange(0, BLOCK_M)[None, :]
+    slot = (start + count)[:, None] + tl.arange(0, BLOCK_M)[None, :]
     sentinel = tl.full((NUM_BINS, BLOCK_M), 0, tl.int32) + num_routes
     tl.store(sorted_ids_ptr + slot, sentinel, mask=slot < end[:, None])
+    return start
+
+
+@triton.jit
+def _rank_in_block(expert, valid, BLOCK: tl.constexpr):
+    """For each lane, how many earlier valid lanes have the same expert."""
+    lane = tl.arange(0, BLOCK)
+    earlier = (expert[:, None] == expert[None, :]) & (lane[None, :] < lane[:, None]) & valid[None, :]
+    return tl.sum(earlier.to(tl.int32), axis=1)
+
+
+@triton.jit
+def _align_small_kernel(topk_ids_ptr, expert_map_ptr, expert_start_ptr, sorted_ids_ptr, block_expert_ptr,
+                        num_post_padded_ptr, num_routes, num_local_experts, num_blocks,
+                        HAS_MAP: tl.constexpr, NUM_BINS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK: tl.constexpr,
+                        BLOCKS_PER_ITER: tl.constexpr):
+    """All of the alignment in one program when every route fits in one BLOCK (decode batches)."""
+    offs = tl.arange(0, BLOCK)
+    expert, valid = _local_expert_of_route(topk_ids_ptr, expert_map_ptr, offs, num_routes, num_local_experts,
+                                           HAS_MAP)
+    count = tl.histogram(expert, NUM_BINS, mask=valid).to(tl.int32)
+    start = _write_layout(count, expert_start_ptr, sorted_ids_ptr, block_expert_ptr, num_post_padded_ptr,
+                          num_routes, num_blocks, NUM_BINS, BLOCK_M, BLOCKS_PER_ITER)
+    bins = tl.arange(0, NUM_BINS)
+    base = tl.sum(tl.where(bins[None, :] == expert[:, None], start[None, :], 0), axis=1)
+    tl.store(sorted_ids_ptr + base + _rank_in_block(expert, valid, BLOCK), offs, mask=valid)
 
 
 @triton.jit
@@ -117,12 +156,10 @@ def _align_scatter_kernel(topk_ids_ptr, expert_map_ptr, prefix_ptr, expert_start
                           HAS_MAP: tl.constexpr, NUM_BINS: tl.constexpr, BLOCK: tl.constexpr):
     """Place every held route at start[e] + (routes of e in earlier chunks) + (rank within the chunk)."""
     pid = tl.program_id(0)
-    lane = tl.arange(0, BLOCK)
-    offs = pid * BLOCK + lane
+    offs = pid * BLOCK + tl.arange(0, BLOCK)
     expert, valid = _local_expert_of_route(topk_ids_ptr, expert_map_ptr, offs, num_routes, num_local_experts,
                                            HAS_MAP)
-    earlier = (expert[:, None] == expert[None, :]) & (lane[None, :] < lane[:, None]) & valid[None, :]
-    rank = tl.sum(earlier.to(tl.int32), axis=1)
+    rank = _rank_in_block(expert, valid, BLOCK)
     base = tl.load(expert_start_ptr + expert, mask=valid, other=0)
     base += tl.load(prefix_ptr + pid * NUM_BINS + expert, mask=valid, other=0)
     tl.store(sorted_ids_ptr + base + rank, offs, mask=valid)
@@ -176,13 +213,20 @@ def moe_align(
     has_map = expert_map_E is not None
     emap = expert_map_E if has_map else ids  # a placeholder pointer when there is no map
     P, Eb = num_chunks(R), num_bins(El)
-    counts = buffers["counts"][: P * Eb]
     start = buffers["expert_start"][:Eb]
+    blocks_per_iter = max(1, min(64, 8192 // Eb))
+    if P == 1:  # one launch for decode-sized batches
+        _align_small_kernel[(1,)](ids, emap, start, sorted_ids, block_expert, num_post_padded, R, El,
+                                  sizes["block_expert"], HAS_MAP=has_map, NUM_BINS=Eb, BLOCK_M=block_m,
+                                  BLOCK=max(16, next_pow2(R)), BLOCKS_PER_ITER=blocks_per_iter,
+                                  num_warps=4 if Eb * block_m <= 8192 else 8)
+        return sorted_ids, block_expert, num_post_padded
+    counts = buffers["counts"][: P * Eb]
     _align_count_kernel[(P,)](ids, emap, counts, R, El, HAS_MAP=has_map, NUM_BINS=Eb, BLOCK=ALIGN_BLOCK)
-    rows = max(1, min(triton.next_power_of_2(P), 4096 // Eb))
+    rows = max(1, min(next_pow2(P), 4096 // Eb))
     _align_offsets_kernel[(1,)](counts, start, sorted_ids, block_expert, num_post_padded, P, R,
                                 sizes["block_expert"], NUM_BINS=Eb, BLOCK_M=block_m, ROWS=rows,
-                                BLOCKS_PER_ITER=max(1, min(64, 8192 // Eb)))
+                                BLOCKS_PER_ITER=blocks_per_iter, num_warps=8)
     _align_scatter_kernel[(P,)](ids, emap, counts, start, sorted_ids, R, El, HAS_MAP=has_map, NUM_BINS=Eb,
                                 BLOCK=ALIGN_BLOCK)
     return sorted_ids, block_expert, num_post_padded

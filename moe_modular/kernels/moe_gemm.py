@@ -25,6 +25,8 @@ import torch
 import triton
 import triton.language as tl
 
+from moe_modular.kernels.host import cdiv
+
 # Scale-mode codes as the kernel sees them (compile-time constants).
 A_NONE: tl.constexpr = tl.constexpr(0)
 A_TENSOR: tl.constexpr = tl.constexpr(1)
@@ -223,14 +225,14 @@ def moe_gemm(
         raise ValueError(f"tile {tile} must have power-of-two blocks")
     if batched:
         slots = a.shape[1]
-        num_pid_m = triton.cdiv(slots, tile.BLOCK_M)
-        grid = (num_pid_m * triton.cdiv(No, tile.BLOCK_N), El)
+        num_pid_m = cdiv(slots, tile.BLOCK_M)
+        grid = (num_pid_m * cdiv(No, tile.BLOCK_N), El)
         sa_e, sa_m, sa_k = a.stride()
         sc_e, sc_m, sc_n = c.stride()
     else:
         slots = 0
         num_pid_m = block_expert_Mb.numel()
-        grid = (num_pid_m * triton.cdiv(No, tile.BLOCK_N),)
+        grid = (num_pid_m * cdiv(No, tile.BLOCK_N),)
         sa_e, (sa_m, sa_k) = 0, a.stride()
         sc_e, (sc_m, sc_n) = 0, c.stride()
     if grid[0] == 0:

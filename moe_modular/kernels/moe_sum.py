@@ -12,6 +12,8 @@ import torch
 import triton
 import triton.language as tl
 
+from moe_modular.kernels.host import cdiv, next_pow2
+
 
 @triton.jit
 def _moe_sum_kernel(y_ptr, out_ptr, topk_ids_ptr, expert_map_ptr, T, K, topk, num_local_experts,
@@ -52,9 +54,9 @@ def moe_sum(
         raise ValueError(f"y_RK shape ({tuple(y_RK.shape)}) must be at least ({T * k}, {K})")
     if T == 0:
         return out_TK
-    block_k = min(triton.next_power_of_2(K), 1024 if out_TK.is_cuda else 256)
-    block_t = max(1, min(triton.next_power_of_2(T), 4096 // block_k))
-    grid = (triton.cdiv(T, block_t), triton.cdiv(K, block_k))
+    block_k = min(next_pow2(K), 1024 if out_TK.is_cuda else 256)
+    block_t = max(1, min(next_pow2(T), 4096 // block_k))
+    grid = (cdiv(T, block_t), cdiv(K, block_k))
     has_map = expert_map_E is not None
     _moe_sum_kernel[grid](y_RK, out_TK, topk_ids_Tk, expert_map_E if has_map else topk_ids_Tk, T, K, k,
                           num_local_experts, *y_RK.stride(), *out_TK.stride(), *topk_ids_Tk.stride(),

@@ -1,0 +1,13 @@
+"""Host-side integer helpers for kernel launches (plain Python: called on every forward)."""
+from __future__ import annotations
+
+
+def cdiv(a: int, b: int) -> int:
+    """Ceiling division of non-negative ints."""
+    return -(-int(a) // int(b))
+
+
+def next_pow2(x: int) -> int:
+    """The smallest power of two >= x (1 for x <= 1)."""
+    x = int(x)
+    return 1 if x <= 1 else 1 << (x - 1).bit_length()

@@ -1,0 +1,283 @@
+"""Each Triton kernel against its float32 `*_torch` oracle, plus the test-only interpreter patch.
+
+Runs on CUDA when present, else on the CPU through Triton's interpreter (tests/conftest.py).
+Shapes are tiny: the interpreter costs about a second per launch.
+"""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from moe_modular.config import Activation
+from moe_modular.kernels.act_and_mul import IntermediateQuant, RowMode, act_and_mul, act_and_mul_torch
+from moe_modular.kernels.moe_align import ALIGN_BLOCK, moe_align, moe_align_torch
+from moe_modular.kernels.moe_gemm import AScale, BScale, GemmTile, moe_gemm, moe_gemm_torch
+from moe_modular.kernels.moe_sum import moe_sum, moe_sum_torch
+from moe_modular.quant import FP8_DTYPE, QuantConfig, expand_group_scale, quantize_activations, quantize_weights
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+FP8_EPS = torch.finfo(FP8_DTYPE).eps
+
+
+def _gen(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def _rel(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((out.float() - ref.float()).norm() / ref.float().norm().clamp(min=1e-30)).item()
+
+
+def _expert_map(E: int, held: list[int]) -> torch.Tensor:
+    m = torch.full((E,), -1, dtype=torch.int32)
+    m[torch.tensor(held)] = torch.arange(len(held), dtype=torch.int32)
+    return m.to(DEVICE)
+
+
+# ---- moe_align --------------------------------------------------------------------------
+# (T, k, El, BLOCK_M, map: None | "half" (every other global expert held) | "local-1" (EP local ids with -1))
+ALIGN_CASES = [
+    (1, 1, 3, 16, None),  # M=1, topk=1: one route, one padded block
+    (0, 2, 4, 16, None),  # M=0: no blocks, num_post_padded 0
+    (7, 2, 13, 16, None),  # prime El, most experts empty
+    (33, 4, 8, 32, "half"),  # expert_map with -1 experts: their routes get no slot
+    (9, 3, 5, 16, "local-1"),  # local ids with -1 (routes held elsewhere)
+    (100, 3, 7, 16, None),  # R = 300 > ALIGN_BLOCK: the three-launch path with prefixes across chunks
+    (70, 4, 6, 64, "half"),  # multi-chunk with a map and a wide block
+]
+
+
+@pytest.mark.parametrize("T,k,El,block_m,kind", ALIGN_CASES)
+def test_moe_align_matches_oracle(T, k, El, block_m, kind):
+    g = _gen(T * 31 + El)
+    E = 2 * El if kind == "half" else El
+    ids = torch.randint(0, E, (T, k), generator=g, dtype=torch.int32)
+    emap = None
+    if kind == "half":
+        emap = _expert_map(E, list(range(0, E, 2)))
+    elif kind == "local-1":
+        ids[torch.rand(T, k, generator=g) < 0.3] = -1
+    sorted_ids, block_expert, npp = moe_align(ids.to(DEVICE), block_m, El, emap)
+    ref_sorted, ref_blocks, ref_n = moe_align_torch(ids, block_m, El, None if emap is None else emap.cpu())
+    n = int(npp.item())
+    assert n == ref_n
+    assert torch.equal(sorted_ids[:n].cpu(), ref_sorted)
+    assert torch.equal(block_expert[: n // block_m].cpu(), ref_blocks)
+    assert bool((block_expert[n // block_m:] == -1).all())
+    if T * k > ALIGN_BLOCK:
+        assert n >= T * k // 2  # the multi-chunk path placed routes from every chunk
+
+
+# ---- moe_gemm -------------------------------------------------------------------------------
+GEMM_SCHEMES = [
+    (torch.bfloat16, QuantConfig()),  # 16-bit, no scales
+    (torch.float32, QuantConfig()),  # fp32 (ieee dot)
+    (torch.bfloat16, QuantConfig.fp8_per_tensor()),  # scalar A scale, per-expert B scale
+    (torch.bfloat16, QuantConfig.fp8_per_token()),  # per-row A scale, per-channel B scale
+    (torch.bfloat16, QuantConfig.fp8_block((64, 32))),  # 1x32 groups, 64x32 blocks (K tile capped at 32)
+]
+
+
+def _gemm_inputs(T, K, E, No, dtype, qc, seed):
+    g = _gen(seed)
+    x = torch.randn(T, K, generator=g)
+    w = torch.randn(E, No, K, generator=g) / K ** 0.5
+    xq, xs = quantize_activations(x.to(dtype), qc)
+    wq, ws = quantize_weights(w, qc)
+    if not qc.is_quantized:
+        wq = wq.to(dtype)
+    return xq, xs, wq, ws
+
+
+def _dense_scale(scale, qc, rows, cols, group):
+    """An A scale broadcast to (rows, cols), or None."""
+    if scale is None:
+        return None
+    if qc.is_block:
+        return expand_group_scale(scale, cols, group)
+    return scale.expand(rows, 1) if scale.numel() == 1 else scale
+
+
+def _weight_scale(ws, qc, e, No, K):
+    if ws is None:
+        return None
+    if qc.is_block:
+        bn, bk = qc.block_shape
+        return ws[e].repeat_interleave(bn, 0)[:No].repeat_interleave(bk, 1)[:, :K]
+    if ws.dim() == 1:
+        return ws[e]
+    return ws[e]  # (No, 1)
+
+
+_MODES = {"unquantized": (AScale.NONE, BScale.NONE), "fp8-tensor": (AScale.TENSOR, BScale.TENSOR),
+          "fp8-token": (AScale.ROW, BScale.CHANNEL)}
+
+
+@pytest.mark.parametrize("dtype,qc", GEMM_SCHEMES, ids=lambda v: getattr(v, "name", str(v)))
+def test_moe_gemm_standard_matches_oracle(dtype, qc):
+    # T=5 tokens, k=2, E=3 experts, K=80 (not a multiple of BLOCK_K=32/64), No=48 (not a multiple of BLOCK_N)
+    T, k, E, K, No = 5, 2, 3, 80, 48
+    xq, xs, wq, ws = _gemm_inputs(T, K, E, No, dtype, qc, seed=3)
+    ids = torch.randint(0, E, (T, k), generator=_gen(4), dtype=torch.int32)
+    topk_w = torch.rand(T, k, generator=_gen(5))
+    tile = GemmTile(16, 32, 32 if qc.is_block else 64, 1, 4, 2)
+    sorted_ids, block_expert, npp = moe_align(ids.to(DEVICE), tile.BLOCK_M, E)
+    c = torch.full((T * k, No), float("nan"), dtype=dtype, device=DEVICE)
+    a_mode, b_mode = _MODES.get(qc.name, (AScale.GROUP, BScale.BLOCK))
+    moe_gemm(xq.to(DEVICE), wq.to(DEVICE), c, tile, a_scale=None if xs is None else xs.to(DEVICE), a_scale_mode=a_mode,
+             b_scale=None if ws is None else ws.to(DEVICE), b_scale_mode=b_mode,
+             group_shape=qc.block_shape or (1, 1), topk_weights_Tk=topk_w.to(DEVICE), sorted_ids_S=sorted_ids,
+             block_expert_Mb=block_expert, num_post_padded=npp, a_row_div=k, num_routes=T * k)
+    a_s = _dense_scale(xs, qc, T, K, qc.group_size)
+    for r in range(T * k):
+        t, e = r // k, int(ids.view(-1)[r])
+        ref = moe_gemm_torch(xq[t:t + 1], wq[e], None if a_s is None else a_s[t:t + 1],
+                             _weight_scale(ws, qc, e, No, K)) * topk_w.view(-1)[r]
+        tol = 2 * torch.finfo(dtype).eps if dtype != torch.float32 else 1e-5
+        assert _rel(c[r].cpu(), ref[0]) <= tol, f"route {r}"
+
+
+@pytest.mark.parametrize("dtype,qc", [GEMM_SCHEMES[0], GEMM_SCHEMES[3], GEMM_SCHEMES[4]],
+                         ids=lambda v: getattr(v, "name", str(v)))
+def test_moe_gemm_batched_matches_oracle_and_leaves_unused_slots(dtype, qc):
+    # El=3 experts with counts (0, 5, 17): an empty expert and one spanning two 16-row blocks
+    El, B, K, No = 3, 17, 80, 40
+    counts = torch.tensor([0, 5, 17], dtype=torch.int32)
+    xq, xs, wq, ws = _gemm_inputs(El * B, K, El, No, dtype, qc, seed=6)
+    a = xq.view(El, B, K)
+    a_scale = None if xs is None else xs.view(El, B, -1)
+    c = torch.full((El, B, No), float("nan"), dtype=dtype, device=DEVICE)
+    tile = GemmTile(16, 32, 32 if qc.is_block else 64, 1, 4, 2)
+    a_mode, b_mode = _MODES.get(qc.name, (AScale.GROUP, BScale.BLOCK))
+    moe_gemm(a.to(DEVICE), wq.to(DEVICE), c, tile, a_scale=None if a_scale is None else a_scale.to(DEVICE),
+             a_scale_mode=a_mode, b_scale=None if ws is None else ws.to(DEVICE), b_scale_mode=b_mode,
+             group_shape=qc.block_shape or (1, 1), expert_num_tokens_El=counts.to(DEVICE))
+    c = c.cpu()
+    a_s = _dense_scale(xs, qc, El * B, K, qc.group_size)
+    for e in range(El):
+        n = int(counts[e])
+        if n:
+            rows = slice(e * B, e * B + n)
+            ref = moe_gemm_torch(xq[rows], wq[e], None if a_s is None else a_s[rows], _weight_scale(ws, qc, e, No, K))
+            assert _rel(c[e, :n], ref) <= 2 * torch.finfo(dtype).eps
+        assert bool(c[e, n:].isnan().all()), f"expert {e} wrote slots past its count"
+
+
+# ---- act_and_mul ----------------------------------------------------------------------------
+# (activation, quant, N): N=40 is not a multiple of the 32-wide groups / column tiles
+ACT_CASES = [
+    (Activation.SILU, IntermediateQuant.NONE, 40),
+    (Activation.GELU, IntermediateQuant.NONE, 40),
+    (Activation.SWIGLU_OAI, IntermediateQuant.NONE, 40),  # interleaved gate/up with clamps
+    (Activation.SILU, IntermediateQuant.TENSOR_STATIC, 40),
+    (Activation.SILU, IntermediateQuant.TENSOR_DYNAMIC, 40),  # one scale for all rows (RowMode.ALL)
+    (Activation.SWIGLU_OAI, IntermediateQuant.TOKEN, 40),
+    (Activation.GELU, IntermediateQuant.GROUP, 40),
+]
+
+_ORACLE_QUANT = {IntermediateQuant.TENSOR_STATIC: QuantConfig.fp8_per_tensor(static=True),
+                 IntermediateQuant.TENSOR_DYNAMIC: QuantConfig.fp8_per_tensor(),
+                 IntermediateQuant.TOKEN: QuantConfig.fp8_per_token(),
+                 IntermediateQuant.GROUP: QuantConfig.fp8_block((32, 32))}
+
+
+@pytest.mark.parametrize("activation,quant,N", ACT_CASES, ids=lambda v: getattr(v, "value", str(v)))
+def test_act_and_mul_matches_oracle(activation, quant, N):
+    R = 6
+    x = (torch.randn(R, 2 * N, generator=_gen(7)) * 3).to(torch.bfloat16)
+    x[0, :] = 0.0  # an all-zero row: the minimum amax keeps its scale finite
+    ref = act_and_mul_torch(x, activation)
+    static = (ref.abs().max() / 300).reshape(1)  # a static scale that does not saturate
+    out, scale = act_and_mul(x.to(DEVICE), activation, quant=quant, group_size=32,
+                             scale=static.to(DEVICE) if quant is IntermediateQuant.TENSOR_STATIC else None)
+    if quant is IntermediateQuant.NONE:
+        assert _rel(out.cpu(), ref) <= 2 * torch.finfo(torch.bfloat16).eps
+        return
+    qc = _ORACLE_QUANT[quant]
+    ref_q, ref_s = quantize_activations(ref, qc, static)
+    if quant is IntermediateQuant.TENSOR_DYNAMIC:
+        scale = scale[:1]
+    assert torch.allclose(scale.cpu(), ref_s, rtol=1e-6, atol=0)
+    same = (out.cpu().view(torch.uint8) == ref_q.view(torch.uint8)).float().mean().item()
+    assert same >= 0.97, f"only {same:.3f} of the fp8 bytes match the oracle"
+    deq = out.cpu().float() * (expand_group_scale(scale.cpu(), N, 32) if quant is IntermediateQuant.GROUP
+                               else scale.cpu())
+    assert _rel(deq, ref_q.float() * (expand_group_scale(ref_s, N, 32) if quant is IntermediateQuant.GROUP
+                                      else ref_s)) <= FP8_EPS / 4
+    assert _rel(deq, ref) <= FP8_EPS
+
+
+def test_act_and_mul_routes_skip_rows_not_held_and_scale_per_expert():
+    # 4 tokens x topk 2 = 8 routes over El=2 local experts; expert_map sends global expert 2 nowhere
+    T, k, N = 4, 2, 16
+    ids = torch.tensor([[0, 2], [1, 0], [2, 1], [0, 1]], dtype=torch.int32)
+    emap = _expert_map(3, [0, 1])
+    x = torch.randn(T * k, 2 * N, generator=_gen(8)).to(torch.bfloat16)
+    x[1] = float("nan")  # route 1 goes to the unheld expert 2: never read
+    out = torch.full((T * k, N), float("nan"), dtype=FP8_DTYPE, device=DEVICE)
+    out, scale = act_and_mul(x.to(DEVICE), Activation.SILU, out, quant=IntermediateQuant.TENSOR_DYNAMIC,
+                             row_mode=RowMode.ROUTES, topk_ids_Tk=ids.to(DEVICE), expert_map_E=emap,
+                             num_local_experts=2)
+    out, scale = out.cpu(), scale.cpu()
+    h = act_and_mul_torch(x, Activation.SILU)
+    local = emap.cpu().long()[ids.view(-1).long()]
+    for e in (0, 1):
+        rows = (local == e).nonzero().squeeze(1)
+        ref_q, ref_s = quantize_activations(h[rows], QuantConfig.fp8_per_tensor())
+        assert torch.allclose(scale[e:e + 1], ref_s, rtol=1e-6, atol=0)
+        assert _rel(out[rows].float() * scale[e], h[rows]) <= FP8_EPS
+    assert bool(out[1].float().isnan().all()), "a route not held here was written"
+
+
+# ---- moe_sum --------------------------------------------------------------------------------
+@pytest.mark.parametrize("T,k,K,kind", [
+    (1, 1, 24, None),  # M=1, topk=1
+    (5, 3, 300, "map"),  # K not a multiple of the block; expert_map -1 experts
+    (6, 2, 40, "local-1"),  # local ids with -1
+])
+def test_moe_sum_ignores_routes_not_held(T, k, K, kind):
+    g = _gen(9)
+    El = 3
+    ids = torch.randint(0, 2 * El if kind == "map" else El, (T, k), generator=g, dtype=torch.int32)
+    emap = _expert_map(2 * El, [0, 2, 4]) if kind == "map" else None
+    if kind == "local-1":
+        ids[0, 0] = -1
+    y = torch.randn(T * k, K, generator=g).to(torch.bfloat16)
+    held = ids.view(-1).long() if emap is None else emap.cpu().long()[ids.view(-1).long()]
+    y[held < 0] = float("nan")  # rows of routes not held here hold garbage
+    out = torch.full((T, K), float("nan"), dtype=torch.bfloat16, device=DEVICE)
+    moe_sum(y.to(DEVICE), ids.to(DEVICE), out, El, emap)
+    ref = moe_sum_torch(y, ids, El, None if emap is None else emap.cpu())
+    assert torch.isfinite(out).all()
+    assert _rel(out.cpu(), ref) <= torch.finfo(torch.bfloat16).eps
+
+
+# ---- the interpreter patch (tests/conftest.py) -----------------------------------------------
+@pytest.mark.skipif(not INTERPRETED, reason="checks the CPU interpreter patch")
+def test_interpreter_patch_rounds_like_the_gpu():
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _k(x_ptr, bf_ptr, f8_ptr, mul_ptr, n, BLOCK: tl.constexpr):
+        offs = tl.arange(0, BLOCK)
+        m = offs < n
+        x = tl.load(x_ptr + offs, mask=m)
+        b = x.to(tl.bfloat16)
+        tl.store(bf_ptr + offs, b, mask=m)
+        tl.store(f8_ptr + offs, x.to(tl.float8e4nv), mask=m)
+        tl.store(mul_ptr + offs, b * b, mask=m)  # bf16 arithmetic, rounded to bf16
+
+    # 126.2 -> 128 in e4m3 (the carry into the exponent); 1 + 2^-8 + 2^-10 rounds up in bf16; 500
+    # saturates to 448.
+    x = torch.tensor([126.2, 1.0 + 2 ** -8 + 2 ** -10, -3.3, 500.0, 0.1])
+    bf = torch.empty(5, dtype=torch.bfloat16)
+    f8 = torch.empty(5, dtype=FP8_DTYPE)
+    mul = torch.empty(5, dtype=torch.bfloat16)
+    _k[(1,)](x, bf, f8, mul, 5, BLOCK=8)
+    assert torch.equal(bf, x.to(torch.bfloat16))
+    assert torch.equal(f8.float(), x.clamp(-448, 448).to(FP8_DTYPE).float())
+    assert f8[0].item() == 128.0
+    assert torch.equal(mul, (bf.float() * bf.float()).to(torch.bfloat16))
