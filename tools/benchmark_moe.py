@@ -365,16 +365,16 @@ def run_cell(name: str, shape_key: str, shape: Shape, quant_key: str, qc: QuantC
     if not ok:
         row["status"] = f"unsupported: {reason}"
         return row
-    pf = MoEPrepareAndFinalizeNoEP.make(moe)
-    kwargs = {"tile_table": tile_table} if (tile_table is not None and name == "triton") else {}
-    fe = cls(moe, weights.qp, max_num_tokens=pf.max_num_tokens_per_rank(), num_dispatchers=pf.num_dispatchers(),
-             **kwargs)
-    mk = FusedMoEModularKernel(pf, fe)
-    outs = [torch.empty_like(s.x) for s in sets]
-    fns = [(lambda s=s, o=o: mk(s.x, weights.w1, weights.w2, s.topk_weights, s.topk_ids, output=o))
-           for s, o in zip(sets, outs)]
     status = []
     try:
+        pf = MoEPrepareAndFinalizeNoEP.make(moe)
+        kwargs = {"tile_table": tile_table} if (tile_table is not None and name == "triton") else {}
+        fe = cls(moe, weights.qp, max_num_tokens=pf.max_num_tokens_per_rank(), num_dispatchers=pf.num_dispatchers(),
+                 **kwargs)
+        mk = FusedMoEModularKernel(pf, fe)
+        outs = [torch.empty_like(s.x) for s in sets]
+        fns = [(lambda s=s, o=o: mk(s.x, weights.w1, weights.w2, s.topk_weights, s.topk_ids, output=o))
+               for s, o in zip(sets, outs)]
         fns[0]()
         timer.sync()
         err = row["check_rel_err"] = spot_check(shape, qc, weights, sets[0], outs[0])
@@ -571,6 +571,11 @@ def parse_args(argv=None):
 def main(argv=None) -> int:
     args, shapes = parse_args(argv)
     device = torch.device("cpu" if args.smoke or not torch.cuda.is_available() else "cuda")
+    if device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1":
+        # Triton experts on the CPU run through the interpreter; fix its float handling first.
+        from tests.conftest import patch_triton_interpreter
+
+        patch_triton_interpreter()
     os.makedirs(args.out, exist_ok=True)
     timer = Timer(device, args.rep_ms, min_reps=3 if args.smoke else 10)
     try:
