@@ -1,0 +1,168 @@
+"""tools.profile_modular_kernel: Chrome traces per rank, M and topk, with the phases named; the
+combinations CLI's flag errors; nothing overwritten; a missing directory created."""
+from __future__ import annotations
+
+import json
+import os
+import shlex
+
+import pytest
+
+from tests.test_modular_kernel_combinations import parse_request
+from tools.profile_modular_kernel import (
+    CPU_RANGE_CATEGORY,
+    TRACE_METADATA_KEY,
+    load_trace,
+    main,
+    phase_times,
+)
+
+# Ranges every forward has (the tool's `forward`, and the modular kernel's three phases).
+KERNEL_PHASES = ("forward", "prepare", "experts", "finalize")
+
+# Profiled runs: (flags, world size, Ms, topks). Each covers an edge:
+PROFILE_CASES = [
+    # one rank, no communication; M=1 (a single token) and M=5 (several tokens per expert)
+    ("--pf-type MoEPrepareAndFinalizeNoEP --experts-type TorchExperts", 1, (1, 5), (2,)),
+    # two ranks exchanging tokens (all_to_all inside prepare and finalize); topk=1 and topk=3
+    ("--pf-type AllToAllPrepareAndFinalize --experts-type TorchExperts --world-size 2", 2, (3,), (1, 3)),
+]
+
+
+def _ranges(trace: dict, name: str) -> list[tuple[float, float]]:
+    return [(float(e["ts"]), float(e["ts"]) + float(e["dur"])) for e in trace["traceEvents"]
+            if e.get("ph") == "X" and e.get("cat") == CPU_RANGE_CATEGORY and e.get("name") == name]
+
+
+def _inside(t: float, spans: list[tuple[float, float]]) -> bool:
+    return any(a <= t <= b for a, b in spans)
+
+
+@pytest.mark.parametrize("flags,world_size,Ms,topks", PROFILE_CASES, ids=["ws1-noep", "ws2-all_to_all"])
+def test_profiler_writes_one_valid_trace_per_rank_m_topk(tmp_path, capsys, flags, world_size, Ms, topks):
+    # A file with one of the run's names is never overwritten: the run moves all its files to
+    # the first suffix free for every one of them.
+    trace_dir = tmp_path / "traces"
+    trace_dir.mkdir()
+    taken = trace_dir / f"m{Ms[0]}_topk{topks[0]}_rank0.json"
+    taken.write_text("not a trace")
+    argv = shlex.split(flags) + ["-m", *map(str, Ms), "--topk", *map(str, topks), "-k", "64", "-n", "32",
+                                 "--num-experts", "6", "--warmup", "1", "--torch-trace-dir-path", str(trace_dir)]
+
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert taken.read_text() == "not a trace"
+
+    pids = set()
+    for M in Ms:
+        for topk in topks:
+            for rank in range(world_size):
+                path = trace_dir / f"m{M}_topk{topk}_rank{rank}_1.json"
+                assert path.is_file(), f"missing {path.name}; have {sorted(p.name for p in trace_dir.iterdir())}"
+                trace = load_trace(str(path))  # valid JSON with a traceEvents list
+                meta = trace[TRACE_METADATA_KEY]
+                assert (meta["rank"], meta["world_size"], meta["M"], meta["topk"]) == (rank, world_size, M, topk)
+                assert trace["distributedInfo"]["rank"] == rank
+                events = [e for e in trace["traceEvents"] if e.get("ph") == "X"]
+                ops = [e for e in events if e.get("cat") == "cpu_op"]
+                assert ops, f"{path.name} has no operator events"
+                pids.add(ops[0]["pid"])
+                times = phase_times(trace)
+                for phase in KERNEL_PHASES:
+                    assert phase in times and times[phase].calls == 1, f"{path.name}: {phase} {times.get(phase)}"
+                    assert times[phase].cpu_us > 0
+                forward = _ranges(trace, "forward")
+                for phase in ("prepare", "experts", "finalize"):
+                    (start, end), = _ranges(trace, phase)
+                    assert _inside(start, forward) and _inside(end, forward)
+                # Recorded shapes: operators carry their input dims.
+                assert any(e.get("args", {}).get("Input Dims") for e in ops)
+                if world_size > 1:
+                    # The dispatch and the combine are communication inside prepare and finalize.
+                    comm = [e for e in ops if e["name"].startswith("c10d::")]
+                    for phase in ("prepare", "finalize"):
+                        spans = _ranges(trace, phase)
+                        assert any(_inside(float(e["ts"]), spans) for e in comm), f"{path.name}: no collective in {phase}"
+                    for phase, parent in (("dispatch", "prepare"), ("combine", "finalize")):
+                        for start, end in _ranges(trace, phase):  # named by the EP PFs that emit them
+                            assert _inside(start, _ranges(trace, parent))
+    assert len(pids) == world_size, "each rank's trace comes from its own process"
+
+    # The oracle lines and the per-phase table, one row per (M, topk, rank).
+    assert out.count("PASS M=") == len(Ms) * len(topks) * world_size
+    header = next(line for line in out.splitlines() if line.split()[:3] == ["M", "topk", "rank"])
+    for phase in KERNEL_PHASES:
+        assert phase in header.split()
+    rows = [line.split() for line in out.splitlines() if len(line.split()) == len(header.split())
+            and line.split()[0].isdigit()]
+    assert sorted((int(r[0]), int(r[1]), int(r[2])) for r in rows) == sorted(
+        (M, k, r) for M in Ms for k in topks for r in range(world_size))
+
+
+def test_profiler_creates_a_missing_directory(tmp_path):
+    trace_dir = tmp_path / "a" / "b"
+    argv = ["--pf-type", "MoEPrepareAndFinalizeNoEP", "--experts-type", "TorchExperts", "-m", "2", "--topk", "1",
+            "-k", "32", "-n", "16", "--num-experts", "4", "--warmup", "0", "--torch-trace-dir-path", str(trace_dir)]
+    assert main(argv) == 0
+    assert sorted(p.name for p in trace_dir.iterdir()) == ["m2_topk1_rank0.json"]
+    with open(trace_dir / "m2_topk1_rank0.json") as f:
+        assert json.load(f)["traceEvents"]
+
+
+# Bad command lines: (argv, the error's text). Errors shared with the combinations CLI are
+# compared with what its parse_request raises for the same flags.
+SHARED_FLAG_ERRORS = [
+    "--pf-type Nope --experts-type TorchExperts",  # unknown name: lists the registered ones
+    "--pf-type MoEPrepareAndFinalizeNoEP",  # one of the pair
+    "--pf-type MoEPrepareAndFinalizeNoEP --experts-type TorchExperts -m -1",  # negative M
+    "--pf-type MoEPrepareAndFinalizeNoEP --experts-type TorchExperts --topk 0",  # topk below 1
+    "--pf-type MoEPrepareAndFinalizeNoEP --experts-type TorchExperts --dtype int8",  # unknown dtype
+    "--pf-type MoEPrepareAndFinalizeNoEP --experts-type TorchExperts --world-size 0",  # no ranks
+    "--pf-type MoEPrepareAndFinalizeNoEP --experts-type TorchExperts --block-shape 128 128",  # block without fp8
+]
+
+
+@pytest.mark.parametrize("flags", SHARED_FLAG_ERRORS)
+def test_bad_flags_get_the_combinations_cli_errors(tmp_path, capsys, flags):
+    with pytest.raises(ValueError) as expected:
+        parse_request(shlex.split(flags))
+    assert main(shlex.split(flags) + ["--torch-trace-dir-path", str(tmp_path / "t")]) == 2
+    err = capsys.readouterr().err
+    assert f"error: {expected.value}" in err
+    assert not (tmp_path / "t").exists(), "nothing is written for a bad command line"
+
+
+OWN_FLAG_ERRORS = [
+    ("--warmup -1", "--warmup (-1) must be >= 0"),  # negative warm-up
+    ("", "--pf-type and --experts-type are required"),  # no pair: the profiler runs one
+]
+
+
+@pytest.mark.parametrize("flags,message", OWN_FLAG_ERRORS)
+def test_profiler_flag_errors(tmp_path, capsys, flags, message):
+    pair = "" if "required" in message else "--pf-type MoEPrepareAndFinalizeNoEP --experts-type TorchExperts "
+    assert main(shlex.split(pair + flags) + ["--torch-trace-dir-path", str(tmp_path)]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_trace_dir_that_is_a_file_is_refused(tmp_path, capsys):
+    path = tmp_path / "file"
+    path.write_text("x")
+    argv = ["--pf-type", "MoEPrepareAndFinalizeNoEP", "--experts-type", "TorchExperts", "--torch-trace-dir-path", str(path)]
+    assert main(argv) == 2
+    assert f"--torch-trace-dir-path ({str(path)!r}) exists and is not a directory" in capsys.readouterr().err
+
+
+def test_unsupported_pair_exits_2_with_the_reason(tmp_path, capsys):
+    argv = ["--pf-type", "MoEPrepareAndFinalizeNoEP", "--experts-type", "NaiveBatchedExperts", "--dtype", "bfloat16",
+            "--torch-trace-dir-path", str(tmp_path)]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "unsupported: MoEPrepareAndFinalizeNoEP x NaiveBatchedExperts" in err and "format mismatch" in err
+
+
+def test_missing_trace_dir_flag_is_an_argparse_error(capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["--pf-type", "MoEPrepareAndFinalizeNoEP", "--experts-type", "TorchExperts"])
+    assert exc.value.code == 2
+    assert "--torch-trace-dir-path" in capsys.readouterr().err
