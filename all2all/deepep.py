@@ -175,6 +175,34 @@ class DeepEPBufferSizes:
     num_qps_per_rank: int
 
 
+def ht_buffer_sizes(deep_ep_module: Any, world_size: int, config: DeepEPHTBufferConfig) -> DeepEPBufferSizes:
+    """High-throughput Buffer arguments: NVLink bytes are the larger of the dispatch and combine
+    Configs' hints for the row bytes. When the ranks span nodes, RDMA bytes the same way and one QP
+    per channel (Buffer.num_sms / 2); intranode, no RDMA buffer and one QP."""
+    if not isinstance(config, DeepEPHTBufferConfig):
+        raise TypeError(f"high-throughput buffers need a DeepEPHTBufferConfig, got {type(config).__name__}")
+    buffer_cls = deep_ep_module.Buffer
+    configs = (buffer_cls.get_dispatch_config(world_size), buffer_cls.get_combine_config(world_size))
+    nvl = max(int(c.get_nvl_buffer_size_hint(config.hidden_bytes, world_size)) for c in configs)
+    if not spans_nodes(world_size):
+        return DeepEPBufferSizes(nvl, 0, False, 1)
+    rdma = max(int(c.get_rdma_buffer_size_hint(config.hidden_bytes, world_size)) for c in configs)
+    qps = max(1, int(buffer_cls.num_sms) // QPS_PER_CHANNEL_DIVISOR)
+    return DeepEPBufferSizes(nvl, rdma, False, qps)
+
+
+def ll_buffer_sizes(deep_ep_module: Any, world_size: int, config: DeepEPLLBufferConfig) -> DeepEPBufferSizes:
+    """Low-latency Buffer arguments: RDMA bytes from DeepEP's size hint, one QP per local expert,
+    no NVLink buffer."""
+    if not isinstance(config, DeepEPLLBufferConfig):
+        raise TypeError(f"low-latency buffers need a DeepEPLLBufferConfig, got {type(config).__name__}")
+    if config.num_experts % world_size:
+        raise ValueError(f"num_experts ({config.num_experts}) must be divisible by ep_size ({world_size})")
+    rdma = deep_ep_module.Buffer.get_low_latency_rdma_size_hint(
+        config.max_dispatch_tokens_per_rank, config.hidden, world_size, config.num_experts)
+    return DeepEPBufferSizes(0, int(rdma), True, config.num_experts // world_size)
+
+
 class DeepEPBufferHandle(All2AllHandle):
     """One deep_ep.Buffer (and the sizes it was built with); destroyed at most once."""
 
@@ -284,19 +312,7 @@ class DeepEPHighThroughputManager(_DeepEPManager):
         return self.deep_ep.Buffer.get_combine_config(self.world_size)
 
     def buffer_sizes(self, config: DeepEPHTBufferConfig) -> DeepEPBufferSizes:
-        """NVLink bytes: the larger of the dispatch and combine Configs' hints for the row bytes.
-        When the ranks span nodes, RDMA bytes the same way and one QP per channel (num_sms / 2);
-        intranode, no RDMA buffer and one QP."""
-        if not isinstance(config, DeepEPHTBufferConfig):
-            raise TypeError(f"{type(self).__name__} handles need a DeepEPHTBufferConfig, got {type(config).__name__}")
-        W = self.world_size
-        configs = (self.dispatch_config(), self.combine_config())
-        nvl = max(c.get_nvl_buffer_size_hint(config.hidden_bytes, W) for c in configs)
-        if not spans_nodes(W):
-            return DeepEPBufferSizes(int(nvl), 0, False, 1)
-        rdma = max(c.get_rdma_buffer_size_hint(config.hidden_bytes, W) for c in configs)
-        qps = max(1, int(self.deep_ep.Buffer.num_sms) // QPS_PER_CHANNEL_DIVISOR)
-        return DeepEPBufferSizes(int(nvl), int(rdma), False, qps)
+        return ht_buffer_sizes(self.deep_ep, self.world_size, config)
 
 
 class DeepEPLowLatencyManager(_DeepEPManager):
@@ -310,15 +326,7 @@ class DeepEPLowLatencyManager(_DeepEPManager):
         return ll_rank_count_error(world_size)
 
     def buffer_sizes(self, config: DeepEPLLBufferConfig) -> DeepEPBufferSizes:
-        """RDMA bytes from DeepEP's size hint; one QP per local expert; no NVLink buffer."""
-        if not isinstance(config, DeepEPLLBufferConfig):
-            raise TypeError(f"{type(self).__name__} handles need a DeepEPLLBufferConfig, got {type(config).__name__}")
-        W = self.world_size
-        if config.num_experts % W:
-            raise ValueError(f"num_experts ({config.num_experts}) must be divisible by ep_size ({W})")
-        rdma = self.deep_ep.Buffer.get_low_latency_rdma_size_hint(
-            config.max_dispatch_tokens_per_rank, config.hidden, W, config.num_experts)
-        return DeepEPBufferSizes(0, int(rdma), True, config.num_experts // W)
+        return ll_buffer_sizes(self.deep_ep, self.world_size, config)
 
     def dispatch_accepts(self, name: str) -> bool:
         """Whether this deep_ep build's low_latency_dispatch takes keyword `name` (e.g. use_fp8)."""
