@@ -228,13 +228,48 @@ def candidates(per_expert: float, smoke: bool):
     if smoke:
         return [GemmTile(16, 64, 64, 1, 4, 1), GemmTile(32, 128, 128, 1, 4, 1)]
     if per_expert <= 2:
-        return [GemmTile(16, 64, 128, 1, 4, 4), GemmTile(16, 32, 128, 1, 4, 4), GemmTile(16, 64, 256, 1, 4, 3),
-                GemmTile(16, 128, 128, 1, 4, 3), GemmTile(16, 32, 256, 1, 4, 4)]
-    if per_expert <= 48:
-        return [GemmTile(16, 128, 128, 1, 4, 3), GemmTile(16, 64, 128, 1, 4, 4), GemmTile(32, 64, 128, 1, 4, 4),
-                GemmTile(32, 128, 64, 1, 4, 4), GemmTile(64, 128, 64, 8, 4, 4)]
-    return [GemmTile(64, 128, 64, 8, 4, 4), GemmTile(128, 128, 64, 8, 4, 4), GemmTile(128, 128, 64, 8, 8, 4),
-            GemmTile(128, 256, 64, 8, 8, 3), GemmTile(64, 256, 64, 8, 4, 3)]
+        return [GemmTile(16, 64, 256, 1, 4, 3), GemmTile(16, 64, 128, 1, 4, 4), GemmTile(16, 32, 256, 1, 4, 3),
+                GemmTile(16, 128, 128, 1, 4, 3), GemmTile(16, 64, 512, 1, 4, 2), GemmTile(16, 128, 256, 1, 4, 2)]
+    if per_expert <= 96:
+        return [GemmTile(16, 128, 128, 1, 4, 3), GemmTile(32, 64, 128, 1, 4, 4), GemmTile(32, 128, 128, 1, 4, 3),
+                GemmTile(64, 128, 64, 8, 4, 4), GemmTile(64, 128, 128, 8, 4, 3), GemmTile(64, 64, 128, 8, 4, 4),
+                GemmTile(64, 256, 64, 8, 8, 3)]
+    return [GemmTile(128, 256, 64, 8, 8, 3), GemmTile(128, 256, 64, 8, 8, 4), GemmTile(128, 128, 64, 8, 4, 4),
+            GemmTile(256, 128, 64, 8, 8, 3), GemmTile(128, 128, 128, 8, 8, 3), GemmTile(64, 256, 64, 8, 4, 4),
+            GemmTile(128, 256, 64, 16, 8, 3)]
+
+
+def profile_eager(device) -> None:
+    """Host cost of one eager forward (Qwen3 shape, M=1): time, then the top Python functions."""
+    import cProfile
+    import io
+    import pstats
+
+    from moe_modular.config import MoEConfig
+    from moe_modular.experts.triton_experts import TritonExperts
+    from moe_modular.modular_kernel import FusedMoEModularKernel
+    from moe_modular.prepare_finalize.no_ep import MoEPrepareAndFinalizeNoEP
+    from moe_modular.quant import MoEQuantParams
+
+    E, K, N, topk = SHAPES["qwen3"]
+    moe = MoEConfig(num_experts=E, topk=topk, hidden_dim=K, intermediate_dim=N, max_num_tokens=1)
+    w1 = torch.randn(E, 2 * N, K, device=device, dtype=torch.bfloat16) * 0.02
+    w2 = torch.randn(E, K, N, device=device, dtype=torch.bfloat16) * 0.02
+    x = torch.randn(1, K, device=device, dtype=torch.bfloat16)
+    tw, ti = torch.topk(torch.randn(1, E, device=device).softmax(-1), topk)
+    mk = FusedMoEModularKernel(MoEPrepareAndFinalizeNoEP(), TritonExperts(moe, MoEQuantParams()))
+    fwd = lambda: mk(x, w1, w2, tw, ti.to(torch.int32))  # noqa: E731
+    eager, graph = bench_eager(fwd), bench_graph(fwd)
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(50):
+        fwd()
+    torch.cuda.synchronize()
+    prof.disable()
+    buf = io.StringIO()
+    pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(14)
+    log(f"eager Qwen3 M=1: {eager * 1e6:.1f} us/forward, CUDA graph {graph * 1e6:.1f} us; profile of 50 forwards:")
+    log("\n".join(line for line in buf.getvalue().splitlines() if line.strip())[:4000])
 
 
 def sweep(device, ceilings, budget_end: float, smoke: bool, out_dir: str):
@@ -252,6 +287,7 @@ def sweep(device, ceilings, budget_end: float, smoke: bool, out_dir: str):
     Ms = [1, 8] if smoke else BENCH_MS
     rows, tables = [], {}
     ws = WorkspaceCache()
+    packaged = TileConfigTable.load()
     for name, (E, K, N, topk) in shapes.items():
         w1 = torch.randn(E, 2 * N, K, device=device, dtype=torch.bfloat16) * 0.02
         w2 = torch.randn(E, K, N, device=device, dtype=torch.bfloat16) * 0.02
@@ -269,7 +305,9 @@ def sweep(device, ceilings, budget_end: float, smoke: bool, out_dir: str):
             flops = 2 * M * topk * 3 * N * K
             floor = max(nbytes / bw, flops / mm_rate)
             default = default_tile_config(M, E, N, K, topk, torch.bfloat16, QuantConfig(), dev_name)
-            cands = [default.gemm1] + [c for c in candidates(M * topk / E, smoke) if c != default.gemm1]
+            shipped = packaged.lookup(TileConfigTable.key_for(E, N, K, torch.bfloat16, QuantConfig(), dev_name), M)
+            cands = [default.gemm1] + ([shipped.gemm1] if shipped is not None else [])
+            cands += [c for c in candidates(M * topk / E, smoke) if c not in cands]
             results = []
             for tile in cands:
                 if time.time() > budget_end:
@@ -402,6 +440,10 @@ def main(argv=None) -> int:
     if device.type == "cuda":
         failures += check_cuda_graph(device)
         ceilings = measure_ceilings(device)
+        try:
+            profile_eager(device)
+        except Exception as exc:  # informational only
+            log(f"eager profile failed: {exc}")
     else:
         ceilings = (4.24e12, 701e12, 1400e12)
     log(f"ceilings: copy {ceilings[0] / 1e12:.2f} TB/s, bf16 matmul {ceilings[1] / 1e12:.0f} TFLOP/s, "

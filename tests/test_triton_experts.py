@@ -1,0 +1,272 @@
+"""TritonExperts and BatchedTritonExperts against the float32 oracle moe_torch, their capability
+answers, and the tile tables.
+
+Runs on CUDA when present, else on the CPU through Triton's interpreter (tests/conftest.py).
+Outputs and workspaces are pre-filled with NaN, so a row the experts forget to write fails.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import pytest
+import torch
+
+from moe_modular.config import Activation, MoEConfig
+from moe_modular.experts.batched_triton_experts import BatchedTritonExperts
+from moe_modular.experts.triton_experts import TritonExperts
+from moe_modular.interfaces import ActivationFormat
+from moe_modular.kernels.moe_gemm import GemmTile
+from moe_modular.modular_kernel import FusedMoEModularKernel
+from moe_modular.prepare_finalize.batched import BatchedPrepareAndFinalize
+from moe_modular.prepare_finalize.no_ep import MoEPrepareAndFinalizeNoEP
+from moe_modular.quant import FP8_DTYPE, MoEQuantParams, QuantConfig, quantize_weights
+from moe_modular.reference import moe_torch
+from moe_modular.tile_config import (
+    CONFIG_DIR,
+    TileConfig,
+    TileConfigTable,
+    TileKey,
+    default_tile_config,
+)
+from moe_modular.weight_and_reduce import TopKWeightAndReduceDelegate, TopKWeightAndReduceNoOp
+from moe_modular.workspace import WorkspaceCache
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def tolerance(dtype: torch.dtype, qc: QuantConfig) -> float:
+    """||out - ref|| / ||ref||: fp8 rounding-boundary flips of the intermediate (a quarter of e4m3's
+    epsilon); 16-bit: two roundings' worth; fp32: accumulation order."""
+    if qc.is_quantized:
+        return torch.finfo(FP8_DTYPE).eps / 4
+    return 1e-4 if dtype == torch.float32 else 2 * torch.finfo(dtype).eps
+
+
+@dataclass(frozen=True)
+class Case:
+    T: int
+    E: int
+    topk: int
+    K: int = 200  # not a multiple of the 128-wide K tiles or of 128-wide fp8 groups
+    N: int = 72  # intermediate; 2N = 144 is not a multiple of the column tiles
+    dtype: torch.dtype = torch.bfloat16
+    quant: QuantConfig = QuantConfig()
+    activation: Activation = Activation.SILU
+    held: tuple[int, ...] = ()  # global experts held here (an expert_map); () = all
+    on_input: bool = False  # apply_router_weight_on_input (topk 1)
+
+
+STANDARD_CASES = [
+    Case(1, 4, 1),  # M=1, topk=1
+    Case(0, 4, 2),  # M=0: nothing to compute, nothing written
+    Case(9, 7, 3),  # prime E
+    Case(5, 3, 3),  # topk == E: every expert gets every token
+    Case(6, 7, 2, dtype=torch.float16, activation=Activation.GELU),  # fp16, GELU
+    Case(6, 5, 2, dtype=torch.float32),  # fp32 (ieee dot)
+    Case(7, 8, 2, activation=Activation.SWIGLU_OAI, held=(1, 2, 5, 6)),  # expert_map: -1 experts write nothing
+    Case(4, 5, 1, on_input=True),  # router weight applied to the input
+    Case(6, 7, 2, quant=QuantConfig.fp8_per_tensor()),  # fp8 dynamic per-tensor (per-expert intermediate scale)
+    Case(6, 7, 2, quant=QuantConfig.fp8_per_tensor(static=True)),  # fp8 static per-tensor
+    Case(6, 7, 2, quant=QuantConfig.fp8_per_token()),  # fp8 per-token activations, per-channel weights
+    Case(6, 7, 2, quant=QuantConfig.fp8_block((128, 128))),  # fp8 1x128 groups, 128x128 blocks (partial)
+    Case(5, 8, 2, quant=QuantConfig.fp8_block((64, 32)), held=(0, 3, 4, 7)),  # small blocks + expert_map
+]
+
+BATCHED_CASES = [
+    Case(1, 4, 1),  # M=1, topk=1: three experts get no token
+    Case(9, 7, 3),  # prime E
+    Case(6, 5, 2, dtype=torch.float32, activation=Activation.SWIGLU_OAI),
+    Case(4, 5, 1, on_input=True),
+    Case(6, 7, 2, quant=QuantConfig.fp8_per_tensor()),
+    Case(6, 7, 2, quant=QuantConfig.fp8_per_tensor(static=True)),
+    Case(6, 7, 2, quant=QuantConfig.fp8_per_token()),
+    Case(6, 7, 2, quant=QuantConfig.fp8_block((128, 128))),
+]
+
+
+def _name(c: Case) -> str:
+    return (f"T{c.T}-E{c.E}-k{c.topk}-{str(c.dtype)[6:]}-{c.quant.name}-{c.activation.value}"
+            f"{'-map' if c.held else ''}{'-oninput' if c.on_input else ''}")
+
+
+def make_inputs(c: Case, seed: int = 0):
+    """(moe, quant params, x, w1, w2, topk_weights, topk_ids, expert_map) on DEVICE; w1/w2 hold
+    only the held experts when an expert map is used."""
+    g = torch.Generator().manual_seed(seed)
+    moe = MoEConfig(num_experts=c.E, topk=c.topk, hidden_dim=c.K, intermediate_dim=c.N, dtype=c.dtype,
+                    quant=c.quant, activation=c.activation, max_num_tokens=max(c.T, 1))
+    x = torch.randn(c.T, c.K, generator=g).to(c.dtype)
+    w1 = torch.randn(c.E, 2 * c.N, c.K, generator=g) / c.K ** 0.5
+    w2 = torch.randn(c.E, c.K, c.N, generator=g) / c.N ** 0.5
+    held = list(c.held) if c.held else list(range(c.E))
+    w1, w2 = w1[held], w2[held]
+    w1q, s1 = quantize_weights(w1, c.quant)
+    w2q, s2 = quantize_weights(w2, c.quant)
+    if not c.quant.is_quantized:
+        w1q, w2q = w1q.to(c.dtype), w2q.to(c.dtype)
+    a1s = a2s = None
+    if c.quant.static_activation_scale:
+        a1s = (x.float().abs().amax().clamp(min=1e-6) / 448).reshape(1)
+        a2s = torch.tensor([0.01])
+    dev = lambda t: None if t is None else t.to(DEVICE)  # noqa: E731
+    qp = MoEQuantParams(c.quant, dev(s1), dev(s2), dev(a1s), dev(a2s))
+    logits = torch.randn(c.T, c.E, generator=g)
+    tw, ti = torch.topk(logits.softmax(-1), c.topk)
+    expert_map = None
+    if c.held:
+        expert_map = torch.full((c.E,), -1, dtype=torch.int32)
+        expert_map[torch.tensor(held)] = torch.arange(len(held), dtype=torch.int32)
+        expert_map = expert_map.to(DEVICE)
+    return moe, qp, x.to(DEVICE), w1q.to(DEVICE), w2q.to(DEVICE), tw.float().to(DEVICE), ti.to(torch.int32).to(
+        DEVICE), expert_map
+
+
+def _reference(c, qp, x, w1, w2, tw, ti, expert_map):
+    return moe_torch(x, w1, w2, tw, ti, c.activation, qp, expert_map=expert_map,
+                     apply_router_weight_on_input=c.on_input)
+
+
+def _poisoned_workspaces(fe, M, N2, K, topk, E, El, meta=None):
+    ws13, ws2, out_shape, dtype = fe.workspace_shapes(M, N2, K, topk, E, El, meta)
+    nan = lambda s: torch.full(s, float("nan"), dtype=dtype, device=DEVICE)  # noqa: E731
+    return nan(ws13), nan(ws2), nan(out_shape)
+
+
+@pytest.mark.parametrize("c", STANDARD_CASES, ids=_name)
+def test_triton_experts_match_oracle(c: Case):
+    moe, qp, x, w1, w2, tw, ti, expert_map = make_inputs(c, seed=c.T + 11 * c.E)
+    fe = TritonExperts(moe, qp)
+    pf = MoEPrepareAndFinalizeNoEP()
+    prepared = pf.prepare(x, tw, ti, c.E, expert_map, c.on_input, qp)
+    El, N2 = w1.shape[0], w1.shape[1]
+    ws13, ws2, out = _poisoned_workspaces(fe, c.T, N2, c.K, c.topk, c.E, El)
+    assert tuple(out.shape) == (c.T, c.K)
+    fe.apply(out, prepared.a1q, w1, w2, tw, ti, c.activation, c.E, expert_map, prepared.a1q_scale, qp.a2_scale,
+             ws13, ws2, None, c.on_input)
+    ref = _reference(c, qp, x, w1, w2, tw, ti, expert_map)
+    if c.T == 0:
+        assert out.numel() == 0
+        return
+    assert torch.isfinite(out).all(), "a row of the output was not written"
+    err = ((out.float() - ref).norm() / ref.norm()).item()
+    assert err <= tolerance(c.dtype, c.quant), f"relative error {err:.3e}"
+
+
+@pytest.mark.parametrize("c", BATCHED_CASES, ids=_name)
+def test_batched_triton_experts_match_oracle(c: Case):
+    moe, qp, x, w1, w2, tw, ti, _ = make_inputs(c, seed=c.T + 13 * c.E)
+    fe = BatchedTritonExperts(moe, qp)
+    pf = BatchedPrepareAndFinalize.make(moe)
+    prepared = pf.prepare(x, tw, ti, c.E, None, c.on_input, qp)
+    El, B = prepared.a1q.shape[:2]
+    ws13, ws2, out = _poisoned_workspaces(fe, B, w1.shape[1], c.K, c.topk, c.E, El, prepared.expert_tokens_meta)
+    assert tuple(out.shape) == (El, B, c.K)
+    fe.apply(out, prepared.a1q, w1, w2, tw, ti, c.activation, c.E, None, prepared.a1q_scale, qp.a2_scale,
+             ws13, ws2, prepared.expert_tokens_meta, c.on_input)
+    counts = prepared.expert_tokens_meta.expert_num_tokens.cpu()
+    for e in range(El):
+        n = int(counts[e])
+        assert torch.isfinite(out[e, :n]).all(), f"expert {e}: a used slot was not written"
+        assert out[e, n:].isnan().all(), f"expert {e}: a slot past its count was written"
+    final = torch.empty_like(x)
+    pf.finalize(final, out, tw, ti, c.on_input, fe.finalize_weight_and_reduce_impl())
+    ref = _reference(c, qp, x, w1, w2, tw, ti, None)
+    err = ((final.float() - ref).norm() / ref.norm()).item()
+    assert err <= tolerance(c.dtype, c.quant), f"relative error {err:.3e}"
+
+
+def test_triton_experts_chunked_through_the_modular_kernel():
+    # M=11 tokens in chunks of 4 (the last one partial), fp8 per-token so the per-row scales are
+    # sliced per chunk; the chunks share the workspaces sized for the first one.
+    c = Case(11, 6, 2, quant=QuantConfig.fp8_per_token())
+    moe, qp, x, w1, w2, tw, ti, _ = make_inputs(c, seed=5)
+    cache = WorkspaceCache()
+    mk = FusedMoEModularKernel(MoEPrepareAndFinalizeNoEP(), TritonExperts(moe, qp), workspaces=cache, chunk_size=4)
+    out = mk(x, w1, w2, tw, ti)
+    ref = _reference(c, qp, x, w1, w2, tw, ti, None)
+    assert ((out.float() - ref).norm() / ref.norm()).item() <= tolerance(c.dtype, c.quant)
+    allocations = cache.num_allocations
+    mk(x, w1, w2, tw, ti)
+    assert cache.num_allocations == allocations, "a second forward of the same size allocated workspaces"
+
+
+def test_fixed_tiles_override_the_tables():
+    # A fixed tile config with a K tile larger than the fp8 group is capped to the group at use.
+    c = Case(3, 4, 2, quant=QuantConfig.fp8_block((64, 32)))
+    moe, qp, x, w1, w2, tw, ti, _ = make_inputs(c, seed=9)
+    tile = GemmTile(16, 64, 32, 1, 4, 2)
+    fe = TritonExperts(moe, qp, tile_config=TileConfig(tile, replace(tile, BLOCK_N=32)))
+    out = FusedMoEModularKernel(MoEPrepareAndFinalizeNoEP(), fe)(x, w1, w2, tw, ti)
+    ref = _reference(c, qp, x, w1, w2, tw, ti, None)
+    assert ((out.float() - ref).norm() / ref.norm()).item() <= tolerance(c.dtype, c.quant)
+
+
+# ---- capabilities -----------------------------------------------------------------------------
+def test_capabilities_are_declared_by_the_classes():
+    assert TritonExperts.activation_formats() == (ActivationFormat.Standard, ActivationFormat.Standard)
+    assert BatchedTritonExperts.activation_formats() == (ActivationFormat.BatchedExperts,
+                                                         ActivationFormat.BatchedExperts)
+    moe = MoEConfig(num_experts=4, topk=2, hidden_dim=64, intermediate_dim=32)
+    std, bat = TritonExperts(moe, MoEQuantParams()), BatchedTritonExperts(moe, MoEQuantParams())
+    assert std.supports_chunking() and not bat.supports_chunking()
+    assert std.supports_expert_map() and bat.supports_expert_map()
+    assert isinstance(std.finalize_weight_and_reduce_impl(), TopKWeightAndReduceNoOp)
+    assert isinstance(bat.finalize_weight_and_reduce_impl(), TopKWeightAndReduceDelegate)
+
+
+@pytest.mark.parametrize("cls", [TritonExperts, BatchedTritonExperts])
+def test_supports_names_the_block_shape_it_cannot_serve(cls):
+    # K tiles may not straddle an fp8 group, so group sizes must be powers of two >= 16.
+    bad = MoEConfig(num_experts=4, topk=2, hidden_dim=192, intermediate_dim=96, quant=QuantConfig.fp8_block((128, 96)))
+    ok, reason = cls.supports(bad)
+    assert not ok and "block_shape[1] (96)" in reason
+    good = replace(bad, quant=QuantConfig.fp8_block((128, 128)))
+    assert cls.supports(good) == (True, "") or "compute capability" in cls.supports(good)[1]
+    with pytest.raises(ValueError, match="block_shape"):
+        cls(bad, MoEQuantParams(bad.quant, torch.ones(4), torch.ones(4)))
+
+
+# ---- tile tables --------------------------------------------------------------------------------
+def test_tile_table_round_trip_and_nearest_bucket(tmp_path):
+    key = TileKey(8, 96, 192, "bfloat16", "unquantized", "cpu")
+    small, big = GemmTile(16, 64, 128, 1, 4, 2), GemmTile(64, 128, 64, 8, 4, 3)
+    buckets = {1: TileConfig(small, small), 256: TileConfig(big, replace(big, BLOCK_N=64))}
+    (tmp_path / TileConfigTable.file_name(key)).write_text(TileConfigTable.to_yaml(key, buckets, "a test table"))
+    table = TileConfigTable.load(str(tmp_path))
+    assert table.tables == {key: buckets}
+    assert table.lookup(key, 8) == buckets[1]  # log2 distance 3 < 5
+    assert table.lookup(key, 100) == buckets[256]
+    assert table.lookup(replace(key, device="other"), 8) is None
+    chosen = table.select(8, 8, 96, 192, 2, torch.bfloat16, QuantConfig(), "other")
+    assert chosen == default_tile_config(8, 8, 96, 192, 2, torch.bfloat16, QuantConfig(), "other")
+
+
+@pytest.mark.parametrize("doc,message", [
+    ({"E": 8, "N": 1, "K": 1, "dtype": "bfloat16", "quant": "unquantized", "device": "cpu"}, "keys"),
+    ({"E": 8, "N": 1, "K": 1, "dtype": "bfloat16", "quant": "unquantized", "device": "cpu",
+      "tiles": {1: {"BLOCK_M": 24, "BLOCK_N": 64, "BLOCK_K": 64}}}, r"gemm1.BLOCK_M \(24\) must be a power of two"),
+    ({"E": 8, "N": 1, "K": 1, "dtype": "bfloat16", "quant": "unquantized", "device": "cpu",
+      "tiles": {1: {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 64, "gemm2": {"BLOCK_M": 32}}}}, "may not override"),
+    ({"E": 8, "N": 1, "K": 1, "dtype": "bfloat16", "quant": "unquantized", "device": "cpu",
+      "tiles": {1: {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 64, "warps": 4}}}, r"unknown fields \['warps'\]"),
+])
+def test_tile_table_errors_name_the_field(doc, message):
+    with pytest.raises(ValueError, match=message):
+        TileConfigTable.parse(doc, "t.yaml")
+
+
+def test_default_tiles_keep_k_tiles_inside_fp8_groups():
+    for M in (1, 64, 4096):
+        cfg = default_tile_config(M, 8, 512, 1024, 2, torch.bfloat16, QuantConfig.fp8_block((128, 32)), "NVIDIA_H200")
+        assert cfg.gemm1.BLOCK_K <= 32 and cfg.gemm2.BLOCK_K <= 32
+    small, large = (default_tile_config(m, 8, 512, 1024, 2, torch.bfloat16, QuantConfig(), "NVIDIA_H200")
+                    for m in (1, 4096))
+    assert small.block_m < large.block_m
+
+
+def test_packaged_tables_cover_the_benchmark_shapes():
+    table = TileConfigTable.load(CONFIG_DIR)
+    for E, N, K in ((8, 14336, 4096), (128, 768, 2048), (256, 2048, 7168)):
+        key = TileKey(E, N, K, "bfloat16", "unquantized", "NVIDIA_H200")
+        assert key in table.tables
+        assert {1, 16384} <= set(table.tables[key])
