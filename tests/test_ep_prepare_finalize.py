@@ -116,7 +116,8 @@ CASES_W2 = [
     Case("a2a", (5, 3), quant=BLOCK),  # group scales travel with tokens
     Case("naive", (5, 3), quant=BLOCK),  # group scales travel with tokens
     Case("ll", (5, 3), quant=BLOCK),  # group scales in the slots
-    Case("a2a", (5, 3), dtype=torch.float16),  # fp16 activations
+    Case("a2a", (5, 3), dtype=torch.float16),  # fp16 activations: default hi/lo wire
+    Case("a2a", (5, 3), dtype=torch.float32),  # fp32 activations: default per-route wire
     Case("agrs", (5, 3), dtype=torch.float32),  # fp32 activations
     Case("a2a", (5, 3), wire="per_route"),  # per-route combine wire
     Case("a2a", (5, 3), wire="prereduced_hilo"),  # hi/lo combine wire
@@ -327,7 +328,12 @@ def test_combine_wires_accuracy_and_rows(world_size, Ms, request, capsys):
 # ---- construction errors (no process group needed for the wire registry) -------------------------
 
 def test_invalid_combine_wire_lists_the_three():
-    from moe_modular.prepare_finalize.combine_wire import combine_wire
+    from moe_modular.prepare_finalize.combine_wire import combine_wire, default_combine_wire
+
+    # The default never makes the combine coarser than the activation dtype.
+    assert default_combine_wire(torch.bfloat16).name == "prereduced"
+    assert default_combine_wire(torch.float16).name == "prereduced_hilo"
+    assert default_combine_wire(torch.float32).name == "per_route"
 
     with pytest.raises(ValueError) as exc:
         combine_wire("fast")

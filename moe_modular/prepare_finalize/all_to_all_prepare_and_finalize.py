@@ -19,7 +19,7 @@ from moe_modular.interfaces import (
     FusedMoEPrepareAndFinalizeModular,
     PrepareResult,
 )
-from moe_modular.prepare_finalize.combine_wire import CombineWire, combine_wire
+from moe_modular.prepare_finalize.combine_wire import CombineWire, combine_wire, default_combine_wire
 from moe_modular.prepare_finalize.common import apply_weight_on_input
 from moe_modular.prepare_finalize.ep_common import (
     ExpertPlacementTables,
@@ -64,8 +64,9 @@ class AllToAllPrepareAndFinalize(FusedMoEPrepareAndFinalizeModular):
     the token's row; a dynamic per-tensor scale is the amax over all ranks' tokens (one scalar
     all-reduce), equal to quantizing the whole EP batch at once. fp8 travels as bytes.
 
-    Combine wire (`combine_wire`, see combine_wire.py): per_route, prereduced (default) or
-    prereduced_hilo. With experts that reduce themselves (finalize impl NoOp), per_route sends
+    Combine wire (`combine_wire`, see combine_wire.py): per_route, prereduced or prereduced_hilo;
+    None picks the activation dtype's default (prereduced for bf16, prereduced_hilo for fp16,
+    per_route for float32). With experts that reduce themselves (finalize impl NoOp), per_route sends
     their reduced rows, one per (token, rank). `last_combine_rows` counts the wire rows this rank
     sent in the latest finalize (hi and lo count as two).
 
@@ -75,8 +76,9 @@ class AllToAllPrepareAndFinalize(FusedMoEPrepareAndFinalizeModular):
 
     BACKEND = "nccl_all_to_all"
 
-    def __init__(self, moe: MoEConfig, context, manager: All2AllManager, combine_wire_name: str = "prereduced"):
-        self.wire: CombineWire = combine_wire(combine_wire_name)
+    def __init__(self, moe: MoEConfig, context, manager: All2AllManager, combine_wire_name: Optional[str] = None):
+        self.wire: CombineWire = (default_combine_wire(moe.dtype) if combine_wire_name is None
+                                  else combine_wire(combine_wire_name))
         if manager.world_size != moe.ep_size or manager.rank != moe.ep_rank:
             raise ValueError(
                 f"manager (rank {manager.rank} of {manager.world_size}) must match moe.parallel "
@@ -106,7 +108,7 @@ class AllToAllPrepareAndFinalize(FusedMoEPrepareAndFinalizeModular):
         return True
 
     @classmethod
-    def make(cls, moe: MoEConfig, context=None, combine_wire: str = "prereduced") -> "AllToAllPrepareAndFinalize":
+    def make(cls, moe: MoEConfig, context=None, combine_wire: Optional[str] = None) -> "AllToAllPrepareAndFinalize":
         check_context(cls.__name__, moe, context)
         return cls(moe, context, context.all2all(cls.BACKEND), combine_wire)
 

@@ -7,6 +7,10 @@
   prereduced_hilo  the same float32 sum sent as two bf16 rows, hi = bf16(s) and
                    lo = bf16(s - hi), so hi + lo carries about 16 significant bits.
 
+The default wire depends on the activation dtype (DEFAULT_WIRE_BY_DTYPE) so the combine is never
+coarser than the output: prereduced for bf16, prereduced_hilo for fp16 (11 significant bits,
+below hi+lo's ~16), per_route for float32 (exact: rows travel in float32).
+
 Every wire sums in a fixed order into dense buffers (no atomics): results are deterministic.
 Shape legend: R rows, K hidden.
 """
@@ -59,3 +63,18 @@ def combine_wire(name: str) -> CombineWire:
         return COMBINE_WIRES[name]
     except KeyError:
         raise ValueError(f"combine wire ({name!r}) must be one of {list(COMBINE_WIRES)}") from None
+
+
+DEFAULT_WIRE_BY_DTYPE: Mapping[torch.dtype, str] = MappingProxyType({
+    torch.bfloat16: "prereduced",
+    torch.float16: "prereduced_hilo",
+    torch.float32: "per_route",
+})
+
+
+def default_combine_wire(dtype: torch.dtype) -> CombineWire:
+    """The wire used when none is named, for activations of `dtype`."""
+    try:
+        return COMBINE_WIRES[DEFAULT_WIRE_BY_DTYPE[dtype]]
+    except KeyError:
+        raise ValueError(f"activation dtype ({dtype}) has no default combine wire; one of {list(DEFAULT_WIRE_BY_DTYPE)}") from None
