@@ -1,0 +1,374 @@
+"""Generate the feature matrix: every registered PrepareAndFinalize x Experts pair in every
+registered scheme and world size, run against the float32 oracle, written as Markdown and CSV.
+
+  python -m tools.make_feature_matrix [--world-sizes 1 2 4] [--out-dir docs] [-m M ...] [--topk k ...]
+
+The pairs and schemes are the combinations matrix's registries (tests/modular_kernel_tools/
+mk_objects.py); whether a cell can run is asked of the classes (Config.is_valid), so every SKIP
+carries the class's reason; a FAIL carries the error. Cells of world size 1 whose
+PrepareAndFinalize needs no process group run in this process; the other cells of one world
+size share one parallel_launch (starting ranks costs seconds, cells cost milliseconds): each
+cell gets its own process group whose collectives time out, so a cell that fails on one rank
+fails the cell, not the launch. A rank that dies fails its cell and the remaining cells are
+relaunched. Writes OUT_DIR/feature_matrix.md and OUT_DIR/feature_matrix.csv.
+Exit codes: 0 written (whatever the cells' results), 2 bad arguments.
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import datetime
+import io
+import os
+import sys
+import tempfile
+import threading
+import time
+import traceback
+from dataclasses import dataclass
+from typing import Callable, Optional, Sequence
+
+# First: on a CPU-only machine this selects Triton's interpreter before triton is imported and
+# applies the suite's fixes to it, so Triton experts compute what they compute on a GPU.
+import tests.conftest  # noqa: F401  isort: skip
+
+import torch
+import torch.distributed as dist
+
+from moe_modular.config import dtype_name
+from tests.modular_kernel_tools.common import Config
+from tests.modular_kernel_tools.matrix import CellOutcome, _run_cases, matrix_configs, run_config
+from tests.modular_kernel_tools.mk_objects import MK_ALL_PREPARE_FINALIZE_TYPES, MK_FUSED_EXPERT_TYPES, MK_QUANT_CONFIGS
+from tests.modular_kernel_tools.progress import ProgressBar
+from tests.test_modular_kernel_combinations import PYTEST_SHAPE
+
+# One small case per cell keeps the whole run to minutes on two CPU cores (Triton experts run in
+# the interpreter there). M=1: a single token; M=7: a prime count, several tokens per expert.
+FEATURE_MATRIX_MS = (1, 7)
+FEATURE_MATRIX_TOPKS = (2,)  # a token reaches two experts (two ranks at world size 2)
+DEFAULT_WORLD_SIZES = (1, 2, 4)
+# How long a rank waits in one collective of a cell before the cell fails (a peer raised).
+COLLECTIVE_TIMEOUT_S = 120.0
+RESULTS = ("PASS", "FAIL", "SKIP")
+CSV_FIELDS = ("world_size", "prepare_finalize", "experts", "dtype", "quant", "result", "max_error",
+              "tolerance", "detail")
+
+
+@dataclass(frozen=True)
+class CellRecord:
+    """One row of the feature matrix. detail: '' for PASS, the error for FAIL, the reason for SKIP."""
+
+    world_size: int
+    prepare_finalize: str
+    experts: str
+    dtype: str
+    quant: str
+    result: str
+    detail: str = ""
+    max_error: Optional[float] = None
+    tolerance: Optional[float] = None
+
+    @property
+    def scheme(self) -> str:
+        return scheme_label(self.dtype, self.quant)
+
+
+def scheme_label(dtype: str, quant: str) -> str:
+    return f"{dtype}/{quant}"
+
+
+def _last_line(text: str) -> str:
+    lines = [ln.strip() for ln in text.strip().splitlines() if ln.strip()]
+    return lines[-1] if lines else text.strip()
+
+
+def describe_failure(outcome: CellOutcome) -> str:
+    """One line: the exception message (per failing rank), or the cases that missed the tolerance."""
+    if outcome.error:
+        return _last_line(outcome.error)
+    bad = [r for r in outcome.results if not r.passed]
+    if not bad:
+        return "no cases ran"
+    shown = "; ".join(f"M={r.M} topk={r.topk} rank={r.rank} err={r.error:.2e} > tol={r.tolerance:.1e}" for r in bad[:3])
+    return shown + (f" (+{len(bad) - 3} more)" if len(bad) > 3 else "")
+
+
+def record_of(cfg: Config, result: str, detail: str = "", outcome: Optional[CellOutcome] = None) -> CellRecord:
+    errs = [r.error for r in outcome.results] if outcome else []
+    return CellRecord(
+        world_size=cfg.world_size, prepare_finalize=cfg.prepare_finalize_type.__name__,
+        experts=cfg.fused_experts_type.__name__, dtype=dtype_name(cfg.dtype), quant=cfg.quant.name,
+        result=result, detail=detail,
+        max_error=max(errs) if errs else None,
+        tolerance=outcome.results[0].tolerance if outcome and outcome.results else None,
+    )
+
+
+def record_of_outcome(cfg: Config, outcome: CellOutcome) -> CellRecord:
+    if outcome.passed:
+        return record_of(cfg, "PASS", "", outcome)
+    return record_of(cfg, "FAIL", describe_failure(outcome), outcome)
+
+
+# ---- running cells -----------------------------------------------------------------------------
+
+def _cell_path(result_dir: str, index: int, rank: int) -> str:
+    return os.path.join(result_dir, f"cell{index}_rank{rank}.pt")
+
+
+def _batch_worker(pgi, cfgs: list[Config], result_dir: str, collective_timeout_s: float) -> None:
+    """One rank: run the cells in order, each in a fresh process group with a collective timeout,
+    saving each cell's outcome as result_dir/cell<i>_rank<r>.pt as soon as it is known."""
+    from moe_modular.parallel_context import ParallelContext
+
+    ranks = list(range(pgi.world_size))
+    for i, cfg in enumerate(cfgs):
+        # Every rank creates the group (a collective on the launch's group), so the ranks start
+        # each cell together even when a peer timed out of the previous one.
+        group = dist.new_group(ranks, timeout=datetime.timedelta(seconds=collective_timeout_s))
+        context = None
+        try:
+            context = ParallelContext.from_group(group, pgi.device, cfg.placement)
+            outcome = CellOutcome(tuple(_run_cases(cfg, rank=pgi.rank, context=context)))
+        except Exception:  # noqa: BLE001 - the cell fails, the next cell runs
+            outcome = CellOutcome(error=f"rank {pgi.rank}: " + traceback.format_exc(limit=8))
+        finally:
+            if context is not None:
+                context.destroy()
+        tmp = _cell_path(result_dir, i, pgi.rank) + ".tmp"
+        torch.save(outcome, tmp)
+        os.replace(tmp, _cell_path(result_dir, i, pgi.rank))
+
+
+def _merge_ranks(outcomes: list[CellOutcome]) -> CellOutcome:
+    errors = [o.error for o in outcomes if o.error]
+    results = tuple(r for o in outcomes for r in o.results)
+    if not errors:
+        return CellOutcome(results)
+    # A peer's timeout is a consequence; report the rank that raised something else first.
+    errors.sort(key=lambda e: "timed out" in e.lower() or "timeout" in e.lower())
+    return CellOutcome(results, error=errors[0])
+
+
+def run_batched(cfgs: list[Config], world_size: int, on_done: Callable[[int, CellOutcome], None],
+                collective_timeout_s: float = COLLECTIVE_TIMEOUT_S, launch_timeout_s: Optional[float] = None) -> None:
+    """Run `cfgs` (all of `world_size`) in as few launches as possible; on_done(i, outcome) for each
+    cell as it completes, in order. A launch that fails (a rank died or the launch timed out) fails
+    the cell it was in, and the cells after it are relaunched."""
+    from tests.modular_kernel_tools.parallel_utils import parallel_launch
+
+    start = 0
+    while start < len(cfgs):
+        batch = cfgs[start:]
+        timeout = launch_timeout_s or 600.0 + 2 * collective_timeout_s * len(batch)
+        with tempfile.TemporaryDirectory(prefix="feature_matrix_") as tmp:
+            failure: list[BaseException] = []
+
+            def launch() -> None:
+                try:
+                    parallel_launch(world_size, _batch_worker, batch, tmp, collective_timeout_s, timeout_s=timeout)
+                except BaseException as exc:  # noqa: BLE001 - reported below
+                    failure.append(exc)
+
+            thread = threading.Thread(target=launch, daemon=True)
+            thread.start()
+            done = 0
+            while True:
+                alive = thread.is_alive()
+                while done < len(batch) and all(os.path.exists(_cell_path(tmp, done, r)) for r in range(world_size)):
+                    outcomes = [torch.load(_cell_path(tmp, done, r), weights_only=False) for r in range(world_size)]
+                    on_done(start + done, _merge_ranks(outcomes))
+                    done += 1
+                if not alive:
+                    break
+                thread.join(timeout=0.2)
+        if done < len(batch):
+            on_done(start + done, CellOutcome(error=launch_failure_line(failure[0] if failure else None)))
+            done += 1
+        start += done
+
+
+def launch_failure_line(exc: Optional[BaseException]) -> str:
+    """A failed launch in one line: each failed rank with the last line of what happened to it."""
+    from tests.modular_kernel_tools.parallel_utils import ParallelLaunchError
+
+    if isinstance(exc, ParallelLaunchError):
+        return "launch failed: " + " | ".join(f"rank {r}: {_last_line(d)}" for r, d in exc.failures.items())
+    return f"launch failed: {type(exc).__name__}: {exc}" if exc is not None else "launch failed: it ended early"
+
+
+def run_cells(cells: list[tuple[Config, bool, str]], collective_timeout_s: float = COLLECTIVE_TIMEOUT_S,
+              progress: bool = True) -> list[CellRecord]:
+    """A record for every cell (in the order given): SKIP with the reason, PASS, or FAIL with the error."""
+    records: dict[int, CellRecord] = {}
+    runnable = [(i, cfg) for i, (cfg, ok, _) in enumerate(cells) if ok]
+    bar = ProgressBar(len(runnable), "feature matrix") if progress else None
+
+    def finish(i: int, cfg: Config, outcome: CellOutcome) -> None:
+        records[i] = record_of_outcome(cfg, outcome)
+        if outcome.error:
+            print(f"\nFAIL {cfg.describe()}:\n{outcome.error}", file=sys.stderr, flush=True)
+        if bar:
+            bar.update(1, f"{records[i].result} {cfg.describe()}")
+
+    for i, (cfg, ok, reason) in enumerate(cells):
+        if not ok:
+            records[i] = record_of(cfg, "SKIP", reason)
+    in_process = [(i, cfg) for i, cfg in runnable
+                  if cfg.world_size == 1 and not cfg.prepare_finalize_type.requires_distributed()]
+    for i, cfg in in_process:
+        finish(i, cfg, run_config(cfg))
+    in_process_ids = {i for i, _ in in_process}
+    launched = [(i, cfg) for i, cfg in runnable if i not in in_process_ids]
+    for ws in sorted({cfg.world_size for _, cfg in launched}):
+        group = [(i, cfg) for i, cfg in launched if cfg.world_size == ws]
+        run_batched([cfg for _, cfg in group], ws,
+                    lambda j, outcome, group=group: finish(group[j][0], group[j][1], outcome),
+                    collective_timeout_s=collective_timeout_s)
+    if bar:
+        bar.close()
+    return [records[i] for i in range(len(cells))]
+
+
+# ---- writing ----------------------------------------------------------------------------------
+
+def to_csv(records: list[CellRecord]) -> str:
+    buf = io.StringIO()
+    w = csv.writer(buf, lineterminator="\n")
+    w.writerow(CSV_FIELDS)
+    for r in records:
+        w.writerow([r.world_size, r.prepare_finalize, r.experts, r.dtype, r.quant, r.result,
+                    "" if r.max_error is None else repr(r.max_error),
+                    "" if r.tolerance is None else repr(r.tolerance), r.detail])
+    return buf.getvalue()
+
+
+def read_csv(path: str) -> list[CellRecord]:
+    with open(path, newline="") as f:
+        rows = list(csv.DictReader(f))
+    return [CellRecord(world_size=int(r["world_size"]), prepare_finalize=r["prepare_finalize"], experts=r["experts"],
+                       dtype=r["dtype"], quant=r["quant"], result=r["result"], detail=r["detail"],
+                       max_error=float(r["max_error"]) if r["max_error"] else None,
+                       tolerance=float(r["tolerance"]) if r["tolerance"] else None) for r in rows]
+
+
+def _md_escape(text: str) -> str:
+    return text.replace("|", "\\|").replace("\n", " ")
+
+
+def to_markdown(records: list[CellRecord], command: str, shape_line: str) -> str:
+    """Per world size a table (rows: pairs; columns: schemes); FAIL and SKIP cells point to notes."""
+    notes: dict[str, int] = {}
+
+    def cell(r: CellRecord) -> str:
+        if r.result == "PASS":
+            return "PASS"
+        n = notes.setdefault(r.detail, len(notes) + 1)
+        return f"{r.result} [{n}]"
+
+    schemes = list(dict.fromkeys(r.scheme for r in records))
+    out = [
+        "# Feature matrix",
+        "",
+        f"Generated by `{command}`; do not edit by hand. Every registered PrepareAndFinalize x Experts",
+        "pair in every registered scheme (tests/modular_kernel_tools/mk_objects.py), run against the",
+        f"float32 oracle: {shape_line}.",
+        "",
+        "- PASS: every case matched the oracle within the tolerance of its number format.",
+        "- FAIL [n]: a case missed the tolerance or raised; note n gives the error.",
+        "- SKIP [n]: the pair does not compose, or a class does not support the scheme or world size;",
+        "  note n gives the reason, as the class states it.",
+        "",
+    ]
+    for ws in sorted({r.world_size for r in records}):
+        rows = [r for r in records if r.world_size == ws]
+        counts = ", ".join(f"{sum(r.result == x for r in rows)} {x}" for x in RESULTS)
+        out += [f"## World size {ws}", "", f"{counts}.", ""]
+        out.append("| prepare/finalize | experts | " + " | ".join(schemes) + " |")
+        out.append("|---|---|" + "---|" * len(schemes))
+        pairs = list(dict.fromkeys((r.prepare_finalize, r.experts) for r in rows))
+        by_key = {(r.prepare_finalize, r.experts, r.scheme): r for r in rows}
+        for pf, fe in pairs:
+            cells = [cell(by_key[(pf, fe, s)]) if (pf, fe, s) in by_key else "" for s in schemes]
+            out.append(f"| {pf} | {fe} | " + " | ".join(cells) + " |")
+        out.append("")
+    if notes:
+        out += ["## Notes", ""]
+        out += [f"{n}. {_md_escape(text)}" for text, n in notes.items()]
+        out.append("")
+    return "\n".join(out)
+
+
+def write_outputs(records: list[CellRecord], out_dir: str, command: str, shape_line: str) -> tuple[str, str]:
+    os.makedirs(out_dir, exist_ok=True)
+    md_path, csv_path = os.path.join(out_dir, "feature_matrix.md"), os.path.join(out_dir, "feature_matrix.csv")
+    with open(md_path, "w") as f:
+        f.write(to_markdown(records, command, shape_line))
+    with open(csv_path, "w", newline="") as f:
+        f.write(to_csv(records))
+    return md_path, csv_path
+
+
+# ---- command line ----------------------------------------------------------------------------
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m tools.make_feature_matrix",
+                                description="Run every registered PF x experts x scheme cell and write the feature matrix.")
+    p.add_argument("--world-sizes", type=int, nargs="+", default=list(DEFAULT_WORLD_SIZES), metavar="N",
+                   help="EP world sizes to run (gloo on the CPU, NCCL on GPUs)")
+    p.add_argument("--out-dir", default="docs", help="where feature_matrix.md and feature_matrix.csv go")
+    p.add_argument("-m", type=int, nargs="+", default=list(FEATURE_MATRIX_MS), help="tokens per rank")
+    p.add_argument("--topk", type=int, nargs="+", default=list(FEATURE_MATRIX_TOPKS))
+    return p
+
+
+@dataclass(frozen=True)
+class MatrixRequest:
+    world_sizes: tuple[int, ...]
+    out_dir: str
+    Ms: tuple[int, ...]
+    topks: tuple[int, ...]
+
+
+def parse_matrix_request(argv: Optional[Sequence[str]] = None) -> MatrixRequest:
+    """Parse argv (argparse errors exit 2); bad values raise ValueError naming the flag and value."""
+    args = build_parser().parse_args(argv)
+    if any(ws < 1 for ws in args.world_sizes):
+        raise ValueError(f"--world-sizes ({args.world_sizes}) must all be >= 1")
+    if any(m < 0 for m in args.m):
+        raise ValueError(f"-m ({args.m}) must be >= 0")
+    if any(k < 1 for k in args.topk):
+        raise ValueError(f"--topk ({args.topk}) must be >= 1")
+    return MatrixRequest(tuple(dict.fromkeys(args.world_sizes)), args.out_dir, tuple(args.m), tuple(args.topk))
+
+
+def shape_description(req: MatrixRequest) -> str:
+    device = "cuda (NCCL)" if torch.cuda.is_available() else "cpu (gloo)"
+    return (f"M = {', '.join(map(str, req.Ms))} tokens per rank, topk = {', '.join(map(str, req.topks))}, "
+            f"K = {PYTEST_SHAPE['K']}, N = {PYTEST_SHAPE['N']}, E = {PYTEST_SHAPE['E']}, on {device}, "
+            f"torch {torch.__version__}")
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    try:
+        req = parse_matrix_request(argv)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    cells = matrix_configs(MK_ALL_PREPARE_FINALIZE_TYPES, MK_FUSED_EXPERT_TYPES, MK_QUANT_CONFIGS, req.world_sizes,
+                           Ms=req.Ms, topks=req.topks, **PYTEST_SHAPE)
+    t0 = time.monotonic()
+    records = run_cells(cells)
+    command = "python -m tools.make_feature_matrix --world-sizes " + " ".join(map(str, req.world_sizes))
+    if req.Ms != FEATURE_MATRIX_MS:
+        command += " -m " + " ".join(map(str, req.Ms))
+    if req.topks != FEATURE_MATRIX_TOPKS:
+        command += " --topk " + " ".join(map(str, req.topks))
+    md_path, csv_path = write_outputs(records, req.out_dir, command, shape_description(req))
+    counts = ", ".join(f"{sum(r.result == x for r in records)} {x}" for x in RESULTS)
+    print(f"{counts} in {time.monotonic() - t0:.0f} s; wrote {md_path} and {csv_path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
