@@ -16,7 +16,7 @@ from moe_modular.config import SUPPORTED_DTYPES, Activation, MoEConfig
 from moe_modular.quant import ActivationQuant, QuantConfig, WeightQuant
 
 try:
-    import triton
+    import triton  # noqa: F401  (availability check)
 
     from moe_modular.kernels.act_and_mul import IntermediateQuant
     from moe_modular.kernels.moe_gemm import AScale, BScale, _moe_gemm_kernel
