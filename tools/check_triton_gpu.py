@@ -421,7 +421,7 @@ def main(argv=None) -> int:
     start = time.time()
     if args.smoke:
         os.environ.setdefault("TRITON_INTERPRET", "1")
-        from tests.conftest import patch_triton_interpreter
+        from tests.triton_interpreter_patch import patch_triton_interpreter
 
         patch_triton_interpreter()
         device = torch.device("cpu")

@@ -168,7 +168,7 @@ def main(argv=None) -> int:
     args, shapes = parse_args(argv)
     if args.smoke and not torch.cuda.is_available():
         os.environ.setdefault("TRITON_INTERPRET", "1")
-        from tests.conftest import patch_triton_interpreter
+        from tests.triton_interpreter_patch import patch_triton_interpreter
 
         patch_triton_interpreter()
     from tests.modular_kernel_tools.progress import ProgressBar
