@@ -56,7 +56,8 @@ class FusedMoEMethodBase(ABC):
 
     def select_gemm_impl(self, prepare_finalize: FusedMoEPrepareAndFinalizeModular,
                          layer: torch.nn.Module) -> FusedMoEExpertsModular:
-        cls = self.experts_type or select_experts_type(prepare_finalize.activation_format(), self.moe)
+        cls = self.experts_type or select_experts_type(
+            prepare_finalize.activation_format(), self.moe, layer.w13_weight.device.type)
         return cls.for_prepare_finalize(self.moe, self.quant_params(layer), prepare_finalize)
 
     def init_prepare_finalize(self, layer: torch.nn.Module, context=None,

@@ -6,8 +6,10 @@ from __future__ import annotations
 from types import MappingProxyType
 
 from moe_modular.config import MoEConfig
+from moe_modular.experts.batched_triton_experts import BatchedTritonExperts
 from moe_modular.experts.naive_batched_experts import NaiveBatchedExperts
 from moe_modular.experts.torch_experts import TorchExperts
+from moe_modular.experts.triton_experts import TritonExperts
 from moe_modular.interfaces import ActivationFormat, FusedMoEExpertsModular, FusedMoEPrepareAndFinalizeModular
 from moe_modular.prepare_finalize.no_ep import MoEPrepareAndFinalizeNoEP
 
@@ -17,10 +19,15 @@ PREPARE_FINALIZE_BY_BACKEND: "MappingProxyType[str, type[FusedMoEPrepareAndFinal
     NO_EP_BACKEND: MoEPrepareAndFinalizeNoEP,
 })
 
-EXPERTS_BY_FORMAT: "MappingProxyType[ActivationFormat, tuple[type[FusedMoEExpertsModular], ...]]" = MappingProxyType({
-    ActivationFormat.Standard: (TorchExperts,),
-    ActivationFormat.BatchedExperts: (NaiveBatchedExperts,),
-})
+# Keyed by (format, device type). On the CPU the torch experts come first: Triton runs there only
+# through its interpreter, which is for tests.
+EXPERTS_BY_FORMAT: "MappingProxyType[tuple[ActivationFormat, str], tuple[type[FusedMoEExpertsModular], ...]]" = (
+    MappingProxyType({
+        (ActivationFormat.Standard, "cuda"): (TritonExperts, TorchExperts),
+        (ActivationFormat.BatchedExperts, "cuda"): (BatchedTritonExperts, NaiveBatchedExperts),
+        (ActivationFormat.Standard, "cpu"): (TorchExperts,),
+        (ActivationFormat.BatchedExperts, "cpu"): (NaiveBatchedExperts,),
+    }))
 
 
 def prepare_finalize_type(backend: str) -> type[FusedMoEPrepareAndFinalizeModular]:
@@ -32,10 +39,14 @@ def prepare_finalize_type(backend: str) -> type[FusedMoEPrepareAndFinalizeModula
         ) from None
 
 
-def select_experts_type(fmt: ActivationFormat, moe: MoEConfig) -> type[FusedMoEExpertsModular]:
-    """The first experts class for `fmt` that supports `moe`."""
+def select_experts_type(fmt: ActivationFormat, moe: MoEConfig, device_type: str = "cpu") -> type[FusedMoEExpertsModular]:
+    """The first experts class for (`fmt`, `device_type`) that supports `moe`."""
+    key = (fmt, device_type)
+    if key not in EXPERTS_BY_FORMAT:
+        devices = sorted({d for _, d in EXPERTS_BY_FORMAT})
+        raise ValueError(f"device type ({device_type!r}) has no experts; valid: {devices}")
     reasons = []
-    for cls in EXPERTS_BY_FORMAT[fmt]:
+    for cls in EXPERTS_BY_FORMAT[key]:
         ok, reason = cls.supports(moe)
         if ok:
             return cls
