@@ -150,7 +150,8 @@ class TorchSymmMemBackend:
 
         self._symm_mem = symm_mem
         self.group_name = group_name
-        current = symm_mem.get_backend(device)
+        get_backend = getattr(symm_mem, "get_backend", None)
+        current = get_backend(device) if get_backend is not None else None
         if current is None:
             symm_mem.set_backend(SYMM_MEM_BACKEND_NAME)
         elif current != SYMM_MEM_BACKEND_NAME:

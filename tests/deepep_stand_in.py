@@ -119,7 +119,7 @@ def make_stand_in(has_use_fp8: bool = True, explicit_destroy: bool = True) -> ty
             if len(xs) == 2:
                 assert data.element_size() == 1 and xs[1].dtype == torch.float32 and xs[1].size(0) == data.size(0)
             assert topk_weights.dtype == torch.float32
-            W, me, El = self.world_size, self.rank, self._num_experts // self.world_size
+            me, El = self.rank, self._num_experts // self.world_size
             every = _gather(([_wire(t) for t in xs], topk_idx, topk_weights), self.group)
             rows, scales, ids, weights, pairs = [], [], [], [], []
             for src, (parts, idx, w) in enumerate(every):

@@ -7,7 +7,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from all2all.base import RowLayout
 from all2all.deepep import (
     DeepEPBufferSizes,
     DeepEPHighThroughputManager,

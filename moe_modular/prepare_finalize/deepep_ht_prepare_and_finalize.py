@@ -6,7 +6,7 @@ alignment, k topk, El local experts, W ranks, G activation scale groups (ceil(K 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 import torch
 
