@@ -28,9 +28,9 @@ import traceback
 from dataclasses import dataclass
 from typing import Callable, Optional, Sequence
 
-# First: on a CPU-only machine this selects Triton's interpreter before triton is imported and
-# applies the suite's fixes to it, so Triton experts compute what they compute on a GPU.
-import tests.conftest  # noqa: F401  isort: skip
+# First: on a CPU-only machine the test package selects Triton's interpreter before triton is
+# imported and applies its float fixes (tests/__init__.py), here and in every spawned rank.
+import tests  # noqa: F401  isort: skip
 
 import torch
 import torch.distributed as dist
