@@ -135,6 +135,7 @@ def test_bad_flags_get_the_combinations_cli_errors(tmp_path, capsys, flags):
 OWN_FLAG_ERRORS = [
     ("--warmup -1", "--warmup (-1) must be >= 0"),  # negative warm-up
     ("", "--pf-type and --experts-type are required"),  # no pair: the profiler runs one
+    ("--world-size 1 2", "--world-size ([1, 2]) takes one size for the profiler"),  # one launch, one size
 ]
 
 

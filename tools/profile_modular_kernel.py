@@ -81,6 +81,8 @@ def parse_profile_request(argv: Optional[Sequence[str]] = None) -> ProfileReques
     req = parse_request(argv, parser)
     if not req.explicit_pair:
         raise ValueError("--pf-type and --experts-type are required: the profiler runs one pair")
+    if len(req.world_sizes) != 1:
+        raise ValueError(f"--world-size ({list(req.world_sizes)}) takes one size for the profiler")
     if args.warmup < 0:
         raise ValueError(f"--warmup ({args.warmup}) must be >= 0")
     if os.path.exists(args.torch_trace_dir_path) and not os.path.isdir(args.torch_trace_dir_path):
