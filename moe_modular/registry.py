@@ -11,12 +11,33 @@ from moe_modular.experts.naive_batched_experts import NaiveBatchedExperts
 from moe_modular.experts.torch_experts import TorchExperts
 from moe_modular.experts.triton_experts import TritonExperts
 from moe_modular.interfaces import ActivationFormat, FusedMoEExpertsModular, FusedMoEPrepareAndFinalizeModular
+from moe_modular.prepare_finalize.all_to_all_prepare_and_finalize import AllToAllPrepareAndFinalize
+from moe_modular.prepare_finalize.allgather_reducescatter_prepare_and_finalize import (
+    AllGatherReduceScatterPrepareAndFinalize,
+)
+from moe_modular.prepare_finalize.deepep_ht_prepare_and_finalize import DeepEPHTPrepareAndFinalize
+from moe_modular.prepare_finalize.deepep_ll_prepare_and_finalize import DeepEPLLPrepareAndFinalize
+from moe_modular.prepare_finalize.low_latency_all2all_prepare_and_finalize import LowLatencyAll2AllPrepareAndFinalize
+from moe_modular.prepare_finalize.naive_all2all_prepare_and_finalize import NaiveAll2AllPrepareAndFinalize
 from moe_modular.prepare_finalize.no_ep import MoEPrepareAndFinalizeNoEP
+from moe_modular.prepare_finalize.symm_mem_prepare_and_finalize import SymmMemPrepareAndFinalize
 
 NO_EP_BACKEND = "none"
 
+_EP_PREPARE_FINALIZE_TYPES = (
+    NaiveAll2AllPrepareAndFinalize,
+    AllGatherReduceScatterPrepareAndFinalize,
+    AllToAllPrepareAndFinalize,
+    LowLatencyAll2AllPrepareAndFinalize,
+    DeepEPHTPrepareAndFinalize,
+    DeepEPLLPrepareAndFinalize,
+    SymmMemPrepareAndFinalize,
+)
+
+# all2all backend name (all2all.base.ALL2ALL_BACKENDS) -> the PF that drives it.
 PREPARE_FINALIZE_BY_BACKEND: "MappingProxyType[str, type[FusedMoEPrepareAndFinalizeModular]]" = MappingProxyType({
     NO_EP_BACKEND: MoEPrepareAndFinalizeNoEP,
+    **{cls.BACKEND: cls for cls in _EP_PREPARE_FINALIZE_TYPES},
 })
 
 # Keyed by (format, device type). On the CPU the torch experts come first: Triton runs there only

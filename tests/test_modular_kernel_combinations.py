@@ -38,7 +38,18 @@ from tests.modular_kernel_tools.progress import ProgressBar
 PYTEST_MS = (1, 7, 64)  # one token; a prime count; a full small batch
 PYTEST_TOPKS = (1, 2, 4)  # topk=1 (apply-on-input allowed); typical; topk = E/2
 PYTEST_SHAPE = dict(K=192, N=96, E=8)  # K = 1.5 fp8 blocks of 128 (a partial block); N2 = 192
-PYTEST_WORLD_SIZES = (1, 2, 4)
+
+# Expert-parallel cells: every scheme (bf16 activations; the other dtypes are covered at world
+# size 1, where the dispatch plays no part), on a smaller grid of tokens per rank, since every
+# rank runs Triton's interpreter on two CPU cores.
+EP_SCHEMES = tuple((d, q) for d, q in MK_QUANT_CONFIGS if d is torch.bfloat16)
+PYTEST_EP_GRIDS = {
+    1: dict(Ms=(3,), topks=(2,)),  # the EP classes on a group of one rank
+    2: dict(Ms=(1, 7), topks=(1, 4)),  # one token per rank; a prime count; topk=1 and topk=E/2
+    4: dict(Ms=(5,), topks=(2,)),  # 20 tokens over 4 ranks, 2 experts held per rank
+}
+_SINGLE_RANK_PFS = [t for t in MK_ALL_PREPARE_FINALIZE_TYPES if not t.requires_distributed()]
+_EP_PFS = [t for t in MK_ALL_PREPARE_FINALIZE_TYPES if t.requires_distributed()]
 
 
 def _cell_id(cfg: Config) -> str:
@@ -47,9 +58,11 @@ def _cell_id(cfg: Config) -> str:
 
 
 _CELLS = matrix_configs(
-    MK_ALL_PREPARE_FINALIZE_TYPES, MK_FUSED_EXPERT_TYPES, MK_QUANT_CONFIGS, PYTEST_WORLD_SIZES,
+    _SINGLE_RANK_PFS, MK_FUSED_EXPERT_TYPES, MK_QUANT_CONFIGS, (1,),
     Ms=PYTEST_MS, topks=PYTEST_TOPKS, **PYTEST_SHAPE,
-)
+) + [cell for ws, grid in PYTEST_EP_GRIDS.items() for cell in matrix_configs(
+    _EP_PFS if ws == 1 else MK_ALL_PREPARE_FINALIZE_TYPES, MK_FUSED_EXPERT_TYPES, EP_SCHEMES, (ws,),
+    **grid, **PYTEST_SHAPE)]
 
 
 _VALID = [c for c, ok, _ in _CELLS if ok]
@@ -97,7 +110,7 @@ def build_parser() -> argparse.ArgumentParser:
                                 description="Check PrepareAndFinalize x Experts pairs against the float32 oracle.")
     p.add_argument("--pf-type", help=f"one of: {', '.join(PREPARE_FINALIZE_BY_NAME)}")
     p.add_argument("--experts-type", help=f"one of: {', '.join(FUSED_EXPERTS_BY_NAME)}")
-    p.add_argument("--world-size", type=int, default=None, help="EP ranks (default: 1, or all of 1 2 4 for the full matrix)")
+    p.add_argument("--world-size", type=int, nargs="+", default=[1], help="EP ranks, one or more sizes (default 1)")
     p.add_argument("-m", type=int, nargs="+", default=list(PYTEST_MS), help="tokens per rank")
     p.add_argument("-k", type=int, default=PYTEST_SHAPE["K"], help="hidden size K")
     p.add_argument("-n", type=int, default=PYTEST_SHAPE["N"], help="intermediate size N")
@@ -151,9 +164,9 @@ def parse_request(argv: Optional[Sequence[str]] = None,
         schemes = ((SUPPORTED_DTYPES[args.dtype], QuantConfig()),)
     else:
         schemes = tuple(MK_QUANT_CONFIGS)
-    if args.world_size is not None and args.world_size < 1:
+    if any(ws < 1 for ws in args.world_size):
         raise ValueError(f"--world-size ({args.world_size}) must be >= 1")
-    world_sizes = (args.world_size,) if args.world_size else ((1,) if explicit else PYTEST_WORLD_SIZES)
+    world_sizes = tuple(args.world_size)
     for flag, values in (("-m", args.m), ("--topk", args.topk)):
         if any(v < (0 if flag == "-m" else 1) for v in values):
             raise ValueError(f"{flag} ({values}) must be {'>= 0' if flag == '-m' else '>= 1'}")

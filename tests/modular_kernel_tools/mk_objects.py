@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from moe_modular.experts.batched_triton_experts import BatchedTritonExperts
+from moe_modular.experts.grouped_mm_experts import GroupedMMExperts
 from moe_modular.experts.naive_batched_experts import NaiveBatchedExperts
 from moe_modular.experts.torch_experts import TorchExperts
 from moe_modular.experts.triton_experts import TritonExperts
@@ -14,10 +15,13 @@ from moe_modular.prepare_finalize.allgather_reducescatter_prepare_and_finalize i
     AllGatherReduceScatterPrepareAndFinalize,
 )
 from moe_modular.prepare_finalize.batched import BatchedPrepareAndFinalize
+from moe_modular.prepare_finalize.deepep_ht_prepare_and_finalize import DeepEPHTPrepareAndFinalize
+from moe_modular.prepare_finalize.deepep_ll_prepare_and_finalize import DeepEPLLPrepareAndFinalize
 from moe_modular.prepare_finalize.low_latency_all2all_prepare_and_finalize import LowLatencyAll2AllPrepareAndFinalize
 from moe_modular.prepare_finalize.naive_all2all_prepare_and_finalize import NaiveAll2AllPrepareAndFinalize
 from moe_modular.prepare_finalize.no_ep import MoEPrepareAndFinalizeNoEP
 from moe_modular.prepare_finalize.slice_allgather_prepare_and_finalize import SliceAllGatherPrepareAndFinalize
+from moe_modular.prepare_finalize.symm_mem_prepare_and_finalize import SymmMemPrepareAndFinalize
 from moe_modular.quant import QuantConfig
 
 MK_ALL_PREPARE_FINALIZE_TYPES: list[type[FusedMoEPrepareAndFinalizeModular]] = [
@@ -28,6 +32,9 @@ MK_ALL_PREPARE_FINALIZE_TYPES: list[type[FusedMoEPrepareAndFinalizeModular]] = [
     AllToAllPrepareAndFinalize,
     LowLatencyAll2AllPrepareAndFinalize,
     SliceAllGatherPrepareAndFinalize,
+    DeepEPHTPrepareAndFinalize,
+    DeepEPLLPrepareAndFinalize,
+    SymmMemPrepareAndFinalize,
 ]
 
 MK_FUSED_EXPERT_TYPES: list[type[FusedMoEExpertsModular]] = [
@@ -35,6 +42,7 @@ MK_FUSED_EXPERT_TYPES: list[type[FusedMoEExpertsModular]] = [
     NaiveBatchedExperts,
     TritonExperts,
     BatchedTritonExperts,
+    GroupedMMExperts,
 ]
 
 # (activation dtype, scheme) pairs the matrix runs: every 16/32-bit dtype unquantized, and each
