@@ -18,7 +18,8 @@ Timing (do_bench style): warm-up, a time estimate, then repetitions each precede
 bracketed by CUDA events; the median. Where one forward's data fits in L2 (tiny batches), each
 repetition rotates over several input sets (own tokens and routing), and the CUDA graph holds one
 forward per set (time divided by the sets). Phases: the modular kernel's record_function ranges
-(prepare / experts / finalize), their device time per call from one profiled eager run.
+(prepare / experts / finalize) each run alone through the public PF / experts interfaces and timed
+(as its own CUDA graph on a GPU).
 
 Writes OUT/benchmark_moe.csv (one row per cell), OUT/ceilings.json and OUT/benchmark_moe.png
 (fraction of floor vs M per shape; needs matplotlib). Prints the table last.
@@ -279,29 +280,41 @@ def experts_runnable(cls, device: torch.device) -> tuple[bool, str]:
     return True, ""
 
 
-def phase_times_us(fn: Callable[[], object], device: torch.device, calls: int = 3) -> dict[str, float]:
-    """Per-call time of the modular kernel's phases over `calls` profiled calls: device time of the
-    kernels launched inside each record_function range on a GPU, CPU time on the CPU."""
-    from torch.profiler import ProfilerActivity, profile
+def phase_times_us(pf, fe, weights: Weights, inp: InputSet, timer: Timer) -> dict[str, float]:
+    """Time of each phase of one forward, run alone through the public interfaces: prepare
+    (quantize), the experts' apply, finalize (weight, reduce, copy out). On a GPU each phase is
+    replayed from its own CUDA graph (device time without launch gaps); eager on the CPU."""
+    from moe_modular.config import Activation
 
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
-    with profile(activities=activities) as prof:
-        for _ in range(calls):
-            fn()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-    out = {}
-    for phase in ("prepare", "experts", "finalize"):
-        total = 0.0
-        for evt in prof.events():
-            if evt.name != phase or evt.device_type != torch.autograd.DeviceType.CPU:
-                continue
-            if device.type == "cuda":
-                total += getattr(evt, "device_time_total", None) or getattr(evt, "cuda_time_total", 0.0)
-            else:
-                total += evt.cpu_time_total
-        out[phase] = total / calls
-    return out
+    shape_M, K = inp.x.shape
+    E, N2 = weights.w1.size(0), weights.w1.size(1)
+    topk = inp.topk_ids.size(1)
+    qp = fe.quant
+    prepared = pf.prepare(inp.x, inp.topk_weights, inp.topk_ids, E, None, False, qp)
+    ws13_shape, ws2_shape, out_shape, ws_dtype = fe.workspace_shapes(shape_M, N2, K, topk, E, E,
+                                                                     prepared.expert_tokens_meta)
+    dev = inp.x.device
+    ws13 = torch.empty(ws13_shape, dtype=ws_dtype, device=dev)
+    ws2 = torch.empty(ws2_shape, dtype=ws_dtype, device=dev)
+    fused = torch.empty(out_shape, dtype=inp.x.dtype, device=dev)
+    out = torch.empty_like(inp.x)
+    reduce_impl = fe.finalize_weight_and_reduce_impl()
+    phases = {
+        "prepare": lambda: pf.prepare(inp.x, inp.topk_weights, inp.topk_ids, E, None, False, qp),
+        "experts": lambda: fe.apply(fused, prepared.a1q, weights.w1, weights.w2, inp.topk_weights, inp.topk_ids,
+                                    Activation.SILU, E, None, prepared.a1q_scale, qp.a2_scale, ws13, ws2,
+                                    prepared.expert_tokens_meta, False),
+        "finalize": lambda: pf.finalize(out, fused, inp.topk_weights, inp.topk_ids, False, reduce_impl),
+    }
+    times = {}
+    for name, fn in phases.items():
+        if timer.cuda:
+            graph = capture_graph([fn], timer.device)
+            times[name] = timer.median_s(graph.replay) * 1e6
+            del graph
+        else:
+            times[name] = timer.median_s(fn) * 1e6
+    return times
 
 
 def spot_check(shape: Shape, qc: QuantConfig, weights: Weights, inp: InputSet, out: torch.Tensor) -> float:
@@ -401,9 +414,9 @@ def run_cell(name: str, shape_key: str, shape: Shape, quant_key: str, qc: QuantC
             status.append(f"graph failed: {str(exc).splitlines()[0][:160]}")
     if args.phases:
         try:
-            ph = phase_times_us(fns[0], timer.device)
+            ph = phase_times_us(pf, fe, weights, sets[0], timer)
             row.update({f"{k}_us": v for k, v in ph.items()})
-        except RuntimeError as exc:
+        except Exception as exc:  # noqa: BLE001 - recorded in the row's status
             status.append(f"phases not measured: {str(exc).splitlines()[0][:120]}")
     row["status"] = "; ".join(status) or "ok"
     return row
@@ -545,7 +558,7 @@ def parse_args(argv=None):
     p.add_argument("--out", default="benchmark_out", help="directory for the CSV, JSON and PNG")
     p.add_argument("--rep-ms", type=float, default=100.0, help="time budget of one measurement")
     p.add_argument("--no-graph", dest="graph", action="store_false", help="skip the CUDA graph timing")
-    p.add_argument("--no-phases", dest="phases", action="store_false", help="skip the per-phase profile")
+    p.add_argument("--no-phases", dest="phases", action="store_false", help="skip the per-phase timing")
     p.add_argument("--tile-dir", help="read TritonExperts tile tables from this directory (default: packaged)")
     p.add_argument("--check-tol", type=float, default=0.05, help="largest relative error of the spot check")
     p.add_argument("--seed", type=int, default=0)

@@ -4,11 +4,10 @@ Shape legend: T tokens, k topk, R = T * k routes, K hidden, N2 = w1 rows (2 * Ni
 El local experts, E global experts.
 
 One forward, torch ops only, no host sync (CUDA-graph capturable at fixed T):
-  1. local expert of each route (through expert_map; routes not held here get the key El) and a
-     stable sort of the routes by that key;
+  1. local expert of each route (through expert_map) and a stable sort of the routes by it; routes
+     not held here join the last expert's group, so every row the GEMMs write is finite (no
+     uninitialized tail), and they get a zero weight in step 6;
   2. offsets: the int32 end row of each local expert's group (searchsorted over the sorted keys);
-     the last group also takes the not-held routes at the tail, so every row the GEMMs write is
-     finite, and those routes get a zero weight in step 6;
   3. gather the routes' token rows in expert order; GEMM1 (R, N2) = a @ w1[e].T grouped;
   4. act(gate) * up (fp8: re-quantized per row);
   5. GEMM2 (R, K) = intermediate @ w2[e].T grouped;
@@ -143,16 +142,15 @@ class GroupedMMExperts(FusedMoEExpertsModular):
         dev = hidden_states.device
         fp8 = self.quant.config.is_quantized
 
-        # 1. the local expert of each route; not held -> El (sorts last).
+        # 1. the local expert of each route; not held -> the last group (zero weight below).
         ids_R = topk_ids.reshape(-1).long()
         if expert_map is not None:
             ids_R = expert_map.to(dev).long()[ids_R]
         held_R = (ids_R >= 0) & (ids_R < El)
-        key_R = torch.where(held_R, ids_R, El)
+        key_R = torch.where(held_R, ids_R, El - 1)
         key_sorted_R, order_R = torch.sort(key_R, stable=True)
-        # 2. end offsets; the last boundary is past every key, so the last group ends at R.
+        # 2. end offsets: routes with a key below e + 1; the last group ends at R.
         bounds = torch.arange(1, El + 1, device=dev, dtype=key_sorted_R.dtype)
-        bounds[-1] = El + 1
         offs_El = torch.searchsorted(key_sorted_R, bounds, out_int32=True)
 
         # 3. token rows in expert order, GEMM1.
