@@ -10,7 +10,6 @@ import time
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from moe_modular.config import MoEConfig, ParallelConfig
 from moe_modular.experts.torch_experts import TorchExperts
@@ -21,7 +20,7 @@ from moe_modular.quant import MoEQuantParams
 from tests.modular_kernel_tools.parallel_utils import ParallelLaunchError, parallel_launch
 
 # Spawn + failure detection + grace; generous for a loaded 2-core machine, far below any hang.
-BOUND_S = 60.0
+BOUND_S = 120.0
 GRACE_S = 5.0
 
 
@@ -93,24 +92,13 @@ def _worker_sleep(pgi, seconds: float) -> None:
 def test_timeout_kills_every_rank():
     start = time.monotonic()
     with pytest.raises(ParallelLaunchError) as exc:
-        parallel_launch(2, _worker_sleep, 3600.0, timeout_s=15.0)
-    assert time.monotonic() - start < 15.0 + 10.0
-    assert all("timed out after 15 s" in exc.value.failures[r] for r in (0, 1))
-
-
-def _worker_sum(pgi, value: int) -> None:
-    t = torch.tensor([value * (pgi.rank + 1)])
-    dist.all_reduce(t, group=pgi.group)
-    assert pgi.device == torch.device("cpu") and pgi.world_size == 2
-    assert int(t) == value * 3, int(t)
-
-
-def test_success_passes_arguments():
-    parallel_launch(2, _worker_sum, 7, timeout_s=BOUND_S)
+        parallel_launch(2, _worker_sleep, 3600.0, timeout_s=8.0)
+    assert time.monotonic() - start < 8.0 + 10.0
+    assert all("timed out after 8 s" in exc.value.failures[r] for r in (0, 1))
 
 
 def test_unpicklable_worker_is_refused_before_spawning():
     with pytest.raises(TypeError, match="must be a picklable module-level function"):
         parallel_launch(2, lambda pgi: None)
     with pytest.raises(ValueError, match=r"world_size \(0\) must be an int >= 1"):
-        parallel_launch(0, _worker_sum, 1)
+        parallel_launch(0, _worker_sleep, 1.0)

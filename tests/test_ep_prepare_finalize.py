@@ -241,38 +241,56 @@ def rel_error(out: torch.Tensor, ref: torch.Tensor) -> float:
     return float((out.double() - ref.double()).norm() / ref.double().norm().clamp(min=1e-30))
 
 
-def _worker_cases(pgi, cases: list[Case], seed0: int) -> None:
-    """Run every case on this rank; raise naming each failing case (after running all of them)."""
-    context = ParallelContext.from_group(pgi.group, pgi.device)
+def check_cases(pgi, context: ParallelContext, cases: list[Case], seed0: int) -> list[str]:
+    """Run every case on this rank against the float32 oracle; returns failure messages."""
     failures = []
+    for i, case in enumerate(cases):
+        out, prob, rows, _ = run_forward(case, pgi, context, seed0 + i)
+        ref = moe_torch(prob.x, prob.w1, prob.w2, prob.topk_weights, prob.topk_ids, Activation.SILU, prob.quant,
+                        apply_router_weight_on_input=case.on_input)[rows]
+        err, tol = rel_error(out, ref), tolerance(case.dtype, case.quant)
+        if case.replicated:
+            # The same full output on every rank, bit for bit.
+            gathered = [torch.empty_like(out) for _ in range(pgi.world_size)]
+            dist.all_gather(gathered, out.contiguous(), group=pgi.group)
+            if not all(torch.equal(gathered[0], o) for o in gathered):
+                failures.append(f"{case.describe()}: outputs differ across ranks")
+        if not (math.isfinite(err) and err <= tol):
+            failures.append(f"{case.describe()}: rel error {err:.3g} > tol {tol:.3g}")
+    return failures
+
+
+def _worker(pgi, cases: list[Case], wire_Ms: Optional[tuple[int, ...]], seed0: int) -> None:
+    """One launch per world size: construction errors, the case list, then the wires."""
+    context = ParallelContext.from_group(pgi.group, pgi.device)
     try:
-        for i, case in enumerate(cases):
-            seed = seed0 + i
-            out, prob, rows, _ = run_forward(case, pgi, context, seed)
-            ref = moe_torch(prob.x, prob.w1, prob.w2, prob.topk_weights, prob.topk_ids, Activation.SILU, prob.quant,
-                            apply_router_weight_on_input=case.on_input)[rows]
-            err, tol = rel_error(out, ref), tolerance(case.dtype, case.quant)
-            if case.replicated:
-                # The same full output on every rank, bit for bit.
-                gathered = [torch.empty_like(out) for _ in range(pgi.world_size)]
-                dist.all_gather(gathered, out.contiguous(), group=pgi.group)
-                if not all(torch.equal(gathered[0], o) for o in gathered):
-                    failures.append(f"{case.describe()}: outputs differ across ranks")
-            if not (math.isfinite(err) and err <= tol):
-                failures.append(f"{case.describe()}: rel error {err:.3g} > tol {tol:.3g}")
+        failures = check_make_errors(pgi, context) if pgi.world_size == 2 else []
+        failures += check_cases(pgi, context, cases, seed0)
+        if wire_Ms is not None:
+            failures += check_wires(pgi, context, wire_Ms, seed0 + len(cases))
     finally:
         context.destroy()
     if failures:
-        raise AssertionError(f"rank {pgi.rank}: {len(failures)} of {len(cases)} cases failed:\n" + "\n".join(failures))
+        raise AssertionError(f"rank {pgi.rank}: {len(failures)} checks failed:\n" + "\n".join(failures))
 
 
 def _seed0(request) -> int:
     return zlib.crc32(request.node.name.encode()) % 10_000 * 100
 
 
-@pytest.mark.parametrize("world_size,cases", [(1, CASES_W1), (2, CASES_W2), (4, CASES_W4)], ids=["w1", "w2", "w4"])
-def test_ep_prepare_finalize_cases(world_size, cases, request):
-    parallel_launch(world_size, _worker_cases, cases, _seed0(request), timeout_s=LAUNCH_TIMEOUT_S)
+# world size, its cases, and the per-rank token counts of its combine-wire check (None: none).
+LAUNCHES = [
+    (1, CASES_W1, None),
+    (2, CASES_W2, (24, 16)),
+    (4, CASES_W4, (12, 0, 9, 14)),  # a rank without tokens
+]
+
+
+@pytest.mark.parametrize("world_size,cases,wire_Ms", LAUNCHES, ids=["w1", "w2", "w4"])
+def test_ep_prepare_finalize(world_size, cases, wire_Ms, request):
+    """Cases vs the float32 oracle; at W >= 2 also the three combine wires vs a float64 oracle
+    (prints rows sent per token and error per wire) and, at W = 2, make()'s errors."""
+    parallel_launch(world_size, _worker, cases, wire_Ms, _seed0(request), timeout_s=LAUNCH_TIMEOUT_S)
 
 
 # ---- combine wires against a float64 oracle ------------------------------------------------------
@@ -291,38 +309,33 @@ def moe_float64(prob: Problem) -> torch.Tensor:
     return out
 
 
-def _worker_wires(pgi, Ms: tuple[int, ...], seed: int) -> None:
-    """Same float32 problem through the three wires; checks accuracy order and row counts."""
-    context = ParallelContext.from_group(pgi.group, pgi.device)
+def check_wires(pgi, context: ParallelContext, Ms: tuple[int, ...], seed: int) -> list[str]:
+    """Same float32 problem through the three wires; checks accuracy order and row counts.
+    Returns failure messages (empty when all hold)."""
     W = pgi.world_size
     errors, rows_per_token = {}, {}
-    try:
-        for wire in COMBINE_WIRES:
-            case = Case("a2a", Ms, E=8, topk=4, K=64, N=32, dtype=torch.float32, wire=wire)
-            out, prob, rows, pf = run_forward(case, pgi, context, seed)
-            ref64 = moe_float64(prob)[rows]
-            err = torch.tensor([float((out.double() - ref64).norm() ** 2), float(ref64.norm() ** 2),
-                                float(pf.last_combine_rows), float(out.size(0))], dtype=torch.float64)
-            dist.all_reduce(err, group=pgi.group)
-            errors[wire] = math.sqrt(err[0] / err[1])
-            rows_per_token[wire] = float(err[2] / err[3])
-    finally:
-        context.destroy()
+    for wire in COMBINE_WIRES:
+        case = Case("a2a", Ms, E=8, topk=4, K=64, N=32, dtype=torch.float32, wire=wire)
+        out, prob, rows, pf = run_forward(case, pgi, context, seed)
+        ref64 = moe_float64(prob)[rows]
+        err = torch.tensor([float((out.double() - ref64).norm() ** 2), float(ref64.norm() ** 2),
+                            float(pf.last_combine_rows), float(out.size(0))], dtype=torch.float64)
+        dist.all_reduce(err, group=pgi.group)
+        errors[wire] = math.sqrt(err[0] / err[1])
+        rows_per_token[wire] = float(err[2] / err[3])
     if pgi.rank == 0:
         for wire in COMBINE_WIRES:
             print(f"[W={W} topk=4] wire {wire:16s}: {rows_per_token[wire]:.2f} rows sent per token, "
-                  f"rel error vs float64 {errors[wire]:.3g}")
-    assert rows_per_token["per_route"] == 4.0, rows_per_token  # one row per route: T * topk
-    assert rows_per_token["prereduced"] <= min(4, W), rows_per_token  # at most one per (token, rank)
-    assert rows_per_token["prereduced_hilo"] == 2 * rows_per_token["prereduced"], rows_per_token
-    assert errors["prereduced_hilo"] * 10 <= errors["prereduced"], errors
-    assert errors["per_route"] * 10 <= errors["prereduced"], errors
-    assert errors["prereduced_hilo"] < 1e-4, errors
-
-
-@pytest.mark.parametrize("world_size,Ms", [(2, (24, 16)), (4, (12, 0, 9, 14))], ids=["w2", "w4"])
-def test_combine_wires_accuracy_and_rows(world_size, Ms, request, capsys):
-    parallel_launch(world_size, _worker_wires, Ms, _seed0(request), timeout_s=LAUNCH_TIMEOUT_S)
+                  f"rel error vs float64 {errors[wire]:.3g}", flush=True)
+    checks = [
+        (rows_per_token["per_route"] == 4.0, "per_route sends one row per route (T * topk)"),
+        (rows_per_token["prereduced"] <= min(4, W), "prereduced sends at most one row per (token, rank)"),
+        (rows_per_token["prereduced_hilo"] == 2 * rows_per_token["prereduced"], "hilo sends two rows per prereduced row"),
+        (errors["prereduced_hilo"] * 10 <= errors["prereduced"], "hilo error at least 10x below prereduced"),
+        (errors["per_route"] * 10 <= errors["prereduced"], "per_route error at least 10x below prereduced"),
+        (errors["prereduced_hilo"] < 1e-4, "hilo error below 1e-4"),
+    ]
+    return [f"wires W={W}: {what}: rows/token {rows_per_token}, errors {errors}" for ok, what in checks if not ok]
 
 
 # ---- construction errors (no process group needed for the wire registry) -------------------------
@@ -341,8 +354,8 @@ def test_invalid_combine_wire_lists_the_three():
         assert name in str(exc.value)
 
 
-def _worker_bad_wire(pgi) -> None:
-    context = ParallelContext.from_group(pgi.group, pgi.device)
+def check_make_errors(pgi, context: ParallelContext) -> list[str]:
+    """make() refuses a bad wire name, a mismatched layout and a missing context (raises on failure)."""
     moe = MoEConfig(num_experts=4, topk=2, hidden_dim=8, intermediate_dim=4,
                     parallel=ParallelConfig(ep_size=pgi.world_size, ep_rank=pgi.rank))
     with pytest.raises(ValueError, match=r"combine wire \('fast'\) must be one of \['per_route', 'prereduced', 'prereduced_hilo'\]"):
@@ -352,8 +365,4 @@ def _worker_bad_wire(pgi) -> None:
         AllToAllPrepareAndFinalize.make(wrong, context)
     with pytest.raises(TypeError, match="needs a ParallelContext"):
         LowLatencyAll2AllPrepareAndFinalize.make(moe, None)
-    context.destroy()
-
-
-def test_ep_make_errors():
-    parallel_launch(2, _worker_bad_wire, timeout_s=LAUNCH_TIMEOUT_S)
+    return []
