@@ -75,15 +75,28 @@ def test_benchmark_smoke_on_cpu(tmp_path):
         assert float(r["eager_us"]) > 0 and float(r["floor_us"]) > 0
         assert float(r["frac_eager"]) == pytest.approx(float(r["floor_us"]) / float(r["eager_us"]))
         assert float(r["check_rel_err"]) < 2 * torch.finfo(torch.bfloat16).eps
-        assert float(r["experts_us"]) > 0  # the experts phase was found in the profile
+        assert float(r["experts_us"]) > 0  # the experts phase was timed on its own
     text = (tmp_path / "benchmark_moe.md").read_text()
     assert "| tiny | grouped_mm |" in text and "geometric mean" in text
     assert (tmp_path / "ceilings.json").exists()
+    # --render rebuilds the same tables from the CSV and ceilings.json alone.
+    (tmp_path / "benchmark_moe.md").unlink()
+    assert bm.main(["--render", str(tmp_path)]) == 0
+    assert (tmp_path / "benchmark_moe.md").read_text() == text
     try:
         import matplotlib  # noqa: F401
     except ImportError:
         return
     assert (tmp_path / "benchmark_moe.png").stat().st_size > 0
+
+
+def test_vllm_time_from_its_fraction():
+    # Mixtral M=1 at the reference run's ceilings: a fraction of 0.83 is the memory floor / 0.83.
+    row = {"vllm_frac": 0.83, "floor_bytes": 4.24e12 * 166e-6, "floor_flops": 1.0, "eager_us": 400.0,
+           "graph_us": 200.0}
+    assert bm.vllm_us(row) == pytest.approx(166 / 0.83)
+    assert bm.best_us(row) == 200.0
+    assert bm.vllm_us({"vllm_frac": None}) is None
 
 
 def test_benchmark_rejects_unknown_names(capsys):

@@ -35,6 +35,7 @@ import os
 import statistics
 import sys
 import time
+import warnings
 from dataclasses import dataclass
 from typing import Callable, Optional
 
@@ -85,6 +86,10 @@ VLLM_FRACTION: dict[str, list[float]] = {
     "qwen3": [0.15, 0.77, 0.91, 0.85, 0.74, 0.50, 0.60],
     "deepseek-v3": [0.86, 1.03, 1.08, 1.04, 0.95, 0.63, 0.72],
 }
+
+# The ceilings of the run those fractions come from (BENCHMARKS.md): copy bytes/s, bf16 flop/s. With
+# them a fraction turns back into vLLM's time for the same bytes and flops, comparable across runs.
+VLLM_RUN_CEILINGS = {"copy_Bps": 4.24e12, "bf16_flops": 701e12}
 
 # Rotate input sets while one forward touches less than this many L2 sizes.
 ROTATE_BELOW_L2 = 4
@@ -309,8 +314,13 @@ def phase_times_us(pf, fe, weights: Weights, inp: InputSet, timer: Timer) -> dic
     times = {}
     for name, fn in phases.items():
         if timer.cuda:
-            graph = capture_graph([fn], timer.device)
-            times[name] = timer.median_s(graph.replay) * 1e6
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                graph = capture_graph([fn], timer.device)
+            if any("graph is empty" in str(w.message).lower() for w in caught):
+                times[name] = 0.0  # the phase launches no device work (e.g. prepare without quantization)
+            else:
+                times[name] = timer.median_s(graph.replay) * 1e6
             del graph
         else:
             times[name] = timer.median_s(fn) * 1e6
@@ -435,6 +445,22 @@ def geomean(values: list[float]) -> float:
     return math.exp(sum(map(math.log, vals)) / len(vals)) if vals else float("nan")
 
 
+def vllm_us(row: dict) -> Optional[float]:
+    """vLLM's time for this cell's bytes and flops, from its BENCHMARKS.md fraction and the
+    ceilings of that run (None without a reference figure)."""
+    frac = row.get("vllm_frac")
+    if frac in (None, ""):
+        return None
+    floor = max(float(row["floor_bytes"]) / VLLM_RUN_CEILINGS["copy_Bps"],
+                float(row["floor_flops"]) / VLLM_RUN_CEILINGS["bf16_flops"])
+    return floor / float(frac) * 1e6
+
+
+def best_us(row: dict) -> Optional[float]:
+    times = [row.get(k) for k in ("eager_us", "graph_us") if row.get(k) not in (None, "")]
+    return min(float(t) for t in times) if times else None
+
+
 def table_text(rows: list[dict], ceil: dict, Ms: list[int]) -> str:
     """Markdown tables of fraction of floor (and times), one per quant scheme."""
     lines = [f"ceilings: copy {ceil['copy_Bps'] / 1e12:.2f} TB/s, bf16 matmul {ceil['bf16_flops'] / 1e12:.0f} TFLOP/s, "
@@ -476,20 +502,41 @@ def table_text(rows: list[dict], ceil: dict, Ms: list[int]) -> str:
                                  f"{_fmt(r.get('eager_us'), '.1f')} \\| {_fmt(r.get('graph_us'), '.1f')}")
                 lines.append(f"| {shape} | {m} | {_fmt(rs[0]['floor_us'], '.1f')} | {rs[0]['bound']} | "
                              + " | ".join(cells) + " |")
+        if any(r.get("vllm_frac") not in (None, "") for r in q_rows):
+            lines += ["", f"### {quant}: vLLM's time / ours (best of eager and graph; > 1: faster than vLLM)", "",
+                      "vLLM's time is its BENCHMARKS.md fraction turned back into microseconds with that run's "
+                      f"ceilings ({VLLM_RUN_CEILINGS['copy_Bps'] / 1e12:.2f} TB/s, "
+                      f"{VLLM_RUN_CEILINGS['bf16_flops'] / 1e12:.0f} TFLOP/s) and this run's bytes and flops.", "",
+                      "| shape | experts | " + " | ".join(f"M={m}" for m in Ms) + " |", "|---|---|" + "---|" * len(Ms)]
+            for shape in dict.fromkeys(r["shape"] for r in q_rows):
+                for name in names:
+                    cells = []
+                    for m in Ms:
+                        r = next((r for r in q_rows if r["shape"] == shape and r["experts"] == name and r["M"] == m),
+                                 None)
+                        v, b = (vllm_us(r), best_us(r)) if r is not None else (None, None)
+                        cells.append(_fmt(v / b) if v and b else "")
+                    lines.append(f"| {shape} | {name} | " + " | ".join(cells) + " |")
         lines += [""]
         for name in names:
             nr = [r for r in q_rows if r["experts"] == name]
             ge, gg = geomean([r.get("frac_eager") for r in nr]), geomean([r.get("frac_graph") for r in nr])
+            gb = geomean([r["floor_us"] / best_us(r) for r in nr if best_us(r)])
             n_cells = sum(1 for r in nr if r.get("eager_us") is not None)
-            beat = [r for r in nr if r.get("vllm_frac") is not None and r.get("eager_us") is not None]
-            at_or_above = sum(1 for r in beat if max(r.get("frac_eager") or 0, r.get("frac_graph") or 0)
-                              >= r["vllm_frac"])
-            extra = f"; cells >= vLLM (best of eager/graph): {at_or_above}/{len(beat)}" if beat else ""
-            lines.append(f"- {quant} {name}: geometric mean over {n_cells} cells: eager {_fmt(ge)}, "
-                         f"graph {_fmt(gg)}{extra}")
-        problems = [r for r in q_rows if r.get("status") not in ("ok", None)]
-        for r in problems:
-            lines.append(f"- {quant} {r['shape']} M={r['M']} {r['experts']}: {r['status']}")
+            beat = [r for r in nr if r.get("vllm_frac") is not None and best_us(r)]
+            frac_ok = sum(1 for r in beat if r["floor_us"] / best_us(r) >= r["vllm_frac"])
+            time_ok = sum(1 for r in beat if vllm_us(r) >= best_us(r))
+            extra = (f"; cells at or above vLLM: {frac_ok}/{len(beat)} by fraction of floor, {time_ok}/{len(beat)} "
+                     f"by time" if beat else "")
+            lines.append(f"- {quant} {name}: geometric mean of the fraction of floor over {n_cells} cells: eager "
+                         f"{_fmt(ge)}, graph {_fmt(gg)}, best of both {_fmt(gb)}{extra}")
+        problems: dict[tuple[str, str], list[str]] = {}
+        for r in q_rows:
+            if r.get("status") not in ("ok", None, ""):
+                problems.setdefault((r["experts"], r["status"]), []).append(f"{r['shape']} M={r['M']}")
+        for (name, status), cells in problems.items():
+            where = "every cell" if len(cells) == len([r for r in q_rows if r["experts"] == name]) else ", ".join(cells)
+            lines.append(f"- {quant} {name} ({where}): {status}")
     return "\n".join(lines)
 
 
@@ -499,6 +546,39 @@ def write_csv(path: str, rows: list[dict]) -> None:
         w.writeheader()
         for r in rows:
             w.writerow({k: ("" if r.get(k) is None else r.get(k)) for k in CSV_FIELDS})
+
+
+_INT_FIELDS = {"E", "K", "N", "topk", "M", "n_sets"}
+_STR_FIELDS = {"quant", "shape", "experts", "status", "bound"}
+
+
+def read_csv(path: str) -> list[dict]:
+    """Rows written by write_csv, with numbers as numbers and empty cells as None."""
+    rows = []
+    with open(path) as f:
+        for raw in csv.DictReader(f):
+            row = {}
+            for k, v in raw.items():
+                if k in _STR_FIELDS:
+                    row[k] = v
+                elif v in ("", None):
+                    row[k] = None
+                else:
+                    row[k] = int(v) if k in _INT_FIELDS else float(v)
+            rows.append(row)
+    return rows
+
+
+def report(out_dir: str, rows: list[dict], ceil: dict, Ms: list[int]) -> str:
+    """Write OUT/benchmark_moe.md and the plots; return the table text."""
+    note = plot(os.path.join(out_dir, "benchmark_moe.png"), rows, Ms)
+    if note:
+        log(note)
+    text = table_text(rows, ceil, Ms)
+    with open(os.path.join(out_dir, "benchmark_moe.md"), "w") as f:
+        f.write(f"command: {ceil['command']}\n\ntorch {ceil['torch']}, triton {ceil['triton']}, {ceil['device']}, "
+                f"{ceil['date']}\n\n{text}\n")
+    return text
 
 
 def plot(path: str, rows: list[dict], Ms: list[int]) -> Optional[str]:
@@ -555,7 +635,8 @@ def parse_args(argv=None):
     p.add_argument("-m", "--m", dest="ms", type=int, nargs="+", help=f"token counts (default {BENCH_MS})")
     p.add_argument("--quant", nargs="+", default=["bf16"], help=f"schemes, of {list(QUANTS)}")
     p.add_argument("--experts", nargs="+", default=list(EXPERTS), help=f"of {list(EXPERTS)}")
-    p.add_argument("--out", default="benchmark_out", help="directory for the CSV, JSON and PNG")
+    p.add_argument("--out", help="directory for the CSV, JSON and PNG (default benchmark_out)")
+    p.add_argument("--render", metavar="DIR", help="only redo the tables and plots of the run in DIR")
     p.add_argument("--rep-ms", type=float, default=100.0, help="time budget of one measurement")
     p.add_argument("--no-graph", dest="graph", action="store_false", help="skip the CUDA graph timing")
     p.add_argument("--no-phases", dest="phases", action="store_false", help="skip the per-phase timing")
@@ -564,6 +645,8 @@ def parse_args(argv=None):
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--smoke", action="store_true", help="tiny shapes and ceilings on the CPU (a code-path check)")
     args = p.parse_args(argv)
+    args.out_given = args.out is not None
+    args.out = args.out or "benchmark_out"
     shapes = SMOKE_SHAPES if args.smoke else SHAPES
     args.shapes = args.shapes or list(shapes)
     for s in args.shapes:
@@ -581,8 +664,20 @@ def parse_args(argv=None):
     return args, shapes
 
 
+def render(src: str, out_dir: str) -> int:
+    """Tables and plots again from a finished run's CSV and ceilings.json (no measuring)."""
+    rows = read_csv(os.path.join(src, "benchmark_moe.csv"))
+    with open(os.path.join(src, "ceilings.json")) as f:
+        ceil = json.load(f)
+    os.makedirs(out_dir, exist_ok=True)
+    print(report(out_dir, rows, ceil, sorted({r["M"] for r in rows})))
+    return 0
+
+
 def main(argv=None) -> int:
     args, shapes = parse_args(argv)
+    if args.render:
+        return render(args.render, args.out if args.out_given else args.render)
     device = torch.device("cpu" if args.smoke or not torch.cuda.is_available() else "cuda")
     if device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1":
         # Triton experts on the CPU run through the interpreter; fix its float handling first.
@@ -641,14 +736,7 @@ def main(argv=None) -> int:
             if device.type == "cuda":
                 torch.cuda.empty_cache()
     write_csv(csv_path, rows)
-    note = plot(os.path.join(args.out, "benchmark_moe.png"), rows, args.ms)
-    if note:
-        log(note)
-    text = table_text(rows, ceil, args.ms)
-    with open(os.path.join(args.out, "benchmark_moe.md"), "w") as f:
-        f.write(f"command: {ceil['command']}\n\ntorch {ceil['torch']}, triton {ceil['triton']}, {dev_name}, "
-                f"{ceil['date']}\n\n{text}\n")
-    print(text)
+    print(report(args.out, rows, ceil, args.ms))
     failed = [r for r in rows if str(r.get("status", "")).startswith("error") or "FAILED" in str(r.get("status"))]
     return 1 if failed else 0
 
