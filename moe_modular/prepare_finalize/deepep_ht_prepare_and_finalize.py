@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
+from torch.profiler import record_function
 
 from all2all.deepep import (
     HT_COMBINE_DTYPE,
@@ -168,11 +169,12 @@ class DeepEPHTPrepareAndFinalize(FusedMoEPrepareAndFinalizeModular):
 
         buf = self.handle.deep_ep_buffer
         per_rank, per_rdma_rank, per_expert, in_rank, _ = buf.get_dispatch_layout(ids_Tk, num_experts)
-        recv_x, recv_ids_Rk, recv_w_Rk, recv_per_expert, handle, _ = buf.dispatch(
-            x, topk_idx=ids_Tk, topk_weights=weights_Tk,
-            num_tokens_per_rank=per_rank, num_tokens_per_rdma_rank=per_rdma_rank,
-            is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
-            config=self.manager.dispatch_config())
+        with record_function("dispatch"):
+            recv_x, recv_ids_Rk, recv_w_Rk, recv_per_expert, handle, _ = buf.dispatch(
+                x, topk_idx=ids_Tk, topk_weights=weights_Tk,
+                num_tokens_per_rank=per_rank, num_tokens_per_rdma_rank=per_rdma_rank,
+                is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
+                config=self.manager.dispatch_config())
 
         if self.quant_before:
             rx_RKp, a1q_scale = recv_x
@@ -208,6 +210,7 @@ class DeepEPHTPrepareAndFinalize(FusedMoEPrepareAndFinalizeModular):
             impl.apply(reduced_RK, fused_expert_output, masked_weights(st.recv_weights_Rk, st.recv_local_Rk),
                        st.recv_local_Rk, apply_router_weight_on_input)
         send_RKp = pad_hidden(reduced_RK.to(HT_COMBINE_DTYPE), self.padded_hidden)
-        combined_TKp, _, _ = self.handle.deep_ep_buffer.combine(send_RKp, st.handle,
-                                                                config=self.manager.combine_config())
+        with record_function("combine"):
+            combined_TKp, _, _ = self.handle.deep_ep_buffer.combine(send_RKp, st.handle,
+                                                                    config=self.manager.combine_config())
         output.copy_(combined_TKp[:, :K])

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 import torch
+from torch.profiler import record_function
 
 from all2all.deepep import (
     LL_MAX_TOPK,
@@ -173,9 +174,10 @@ class DeepEPLLPrepareAndFinalize(FusedMoEPrepareAndFinalizeModular):
         kwargs: dict[str, Any] = {}
         if self.manager.dispatch_accepts("use_fp8"):
             kwargs["use_fp8"] = self.fp8_dispatch
-        recv_x, recv_count_El, handle, _, hook = self.handle.deep_ep_buffer.low_latency_dispatch(
-            x_TKl, ids_Tk, moe.max_num_tokens, num_experts, async_finish=False, return_recv_hook=use_hook,
-            **kwargs)
+        with record_function("dispatch"):
+            recv_x, recv_count_El, handle, _, hook = self.handle.deep_ep_buffer.low_latency_dispatch(
+                x_TKl, ids_Tk, moe.max_num_tokens, num_experts, async_finish=False, return_recv_hook=use_hook,
+                **kwargs)
 
         def receive() -> PrepareResult:
             if use_hook:
@@ -228,8 +230,9 @@ class DeepEPLLPrepareAndFinalize(FusedMoEPrepareAndFinalizeModular):
         y_ElBKl = pad_hidden(fused_expert_output.to(LL_DTYPE), self.kernel_hidden)
         weights_Tk = torch.ones_like(topk_weights, dtype=torch.float32) if apply_router_weight_on_input \
             else topk_weights.float().contiguous()
-        combined_TKl, _, _ = self.handle.deep_ep_buffer.low_latency_combine(
-            y_ElBKl, st.ids_Tk, weights_Tk, st.handle, async_finish=False, return_recv_hook=False)
+        with record_function("combine"):
+            combined_TKl, _, _ = self.handle.deep_ep_buffer.low_latency_combine(
+                y_ElBKl, st.ids_Tk, weights_Tk, st.handle, async_finish=False, return_recv_hook=False)
         output.copy_(combined_TKl[:, :K])
 
 

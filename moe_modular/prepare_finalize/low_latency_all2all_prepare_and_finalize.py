@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import Callable, Optional
 
 import torch
+from torch.profiler import record_function
 
 from all2all.base import All2AllHandleConfig, All2AllManager
 from moe_modular.config import MoEConfig
@@ -167,10 +168,11 @@ class LowLatencyAll2AllPrepareAndFinalize(FusedMoEPrepareAndFinalizeModular):
         send.zero_()
         tok_of_route = torch.arange(T, device=a1.device).repeat_interleave(k)
         send.index_copy_(0, slot_Tk.reshape(-1), rows_TX.index_select(0, tok_of_route))
-        counts_pending = self.manager.dispatch(self.handle, counts_WEl, self.counts_layout,
-                                               async_op=async_op, tag="counts")
-        slots_pending = self.manager.dispatch(self.handle, send[:nslots], self.slots_layout,
-                                              async_op=async_op, tag="slots")
+        with record_function("dispatch"):
+            counts_pending = self.manager.dispatch(self.handle, counts_WEl, self.counts_layout,
+                                                   async_op=async_op, tag="counts")
+            slots_pending = self.manager.dispatch(self.handle, send[:nslots], self.slots_layout,
+                                                  async_op=async_op, tag="slots")
         per_tensor_scale = scale if (scale is not None and not self.n_scale) else None
 
         def receive() -> PrepareResult:
@@ -216,7 +218,8 @@ class LowLatencyAll2AllPrepareAndFinalize(FusedMoEPrepareAndFinalizeModular):
             raise ValueError(f"expert output must be ({El}, {W * Tm}, {K}), got {tuple(fused_expert_output.shape)}")
         dtype = fused_expert_output.dtype
         back_rows = fused_expert_output.reshape(El * W * Tm, K).index_select(0, st.compact_index)
-        got = self.manager.combine(self.handle, back_rows.view(torch.uint8), self.slots_layout, tag="slots").wait()
+        with record_function("combine"):
+            got = self.manager.combine(self.handle, back_rows.view(torch.uint8), self.slots_layout, tag="slots").wait()
         got_K = got.view(dtype).reshape(W * El * Tm, K)
         T, k = st.route_slot_Tk.shape
         slot = torch.where(st.route_valid_Tk, st.route_slot_Tk, torch.zeros_like(st.route_slot_Tk))

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import Callable, Optional
 
 import torch
+from torch.profiler import record_function
 
 from all2all.base import All2AllHandleConfig, All2AllManager, RowLayout
 from moe_modular.config import MoEConfig
@@ -142,8 +143,9 @@ class NaiveAll2AllPrepareAndFinalize(FusedMoEPrepareAndFinalizeModular):
             xq, scale = a1, None
         layout = self.manager.gather_counts(T)
         fields = [xq] + ([scale] if self.n_scale else []) + [topk_ids.to(torch.int32), topk_weights.float()]
-        pending = self.manager.dispatch(self.handle, self.row_format.pack(fields), layout,
-                                        async_op=async_op, tag="tokens")
+        with record_function("dispatch"):
+            pending = self.manager.dispatch(self.handle, self.row_format.pack(fields), layout,
+                                            async_op=async_op, tag="tokens")
         per_tensor_scale = scale if (scale is not None and not self.n_scale) else None
 
         def receive() -> PrepareResult:
@@ -178,5 +180,6 @@ class NaiveAll2AllPrepareAndFinalize(FusedMoEPrepareAndFinalizeModular):
         else:
             impl.apply(partial_AK, fused_expert_output, masked_weights(st.weights_Ak, st.local_Ak), st.local_Ak,
                        apply_router_weight_on_input)
-        mine_TK = self.manager.combine(self.handle, partial_AK, st.layout, tag="partials").wait()
+        with record_function("combine"):
+            mine_TK = self.manager.combine(self.handle, partial_AK, st.layout, tag="partials").wait()
         output.copy_(mine_TK.to(output.dtype))

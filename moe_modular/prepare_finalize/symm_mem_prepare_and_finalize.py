@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 import torch
+from torch.profiler import record_function
 
 from all2all.rows import RowField, RowFormat
 from all2all.symm_mem import (
@@ -178,7 +179,8 @@ class SymmMemPrepareAndFinalize(FusedMoEPrepareAndFinalizeModular):
         fields.append(topk_weights.reshape(-1).float().index_select(0, route_S).unsqueeze(1))
         rows_SB = self.row_format.pack(fields)
 
-        recv_CB, splits_offsets = self.manager.dispatch_2d(self.handle, rows_SB, splits_WEl)
+        with record_function("dispatch"):
+            recv_CB, splits_offsets = self.manager.dispatch_2d(self.handle, rows_SB, splits_WEl)
         so_2EW = splits_offsets.cpu()  # the step's host sync
         pos_R, cell_R = received_positions(so_2EW)
         pos_R = pos_R.to(recv_CB.device)
@@ -216,7 +218,8 @@ class SymmMemPrepareAndFinalize(FusedMoEPrepareAndFinalizeModular):
         cin = self.manager.combine_input(self.handle)
         cin.index_copy_(0, st.recv_pos_R, wire_RK.view(torch.uint8).reshape(R, -1))
         S = st.route_S.numel()
-        back_SK = self.manager.combine_2d(self.handle, S).contiguous().view(self.combine_dtype).reshape(S, K)
+        with record_function("combine"):
+            back_SK = self.manager.combine_2d(self.handle, S).contiguous().view(self.combine_dtype).reshape(S, K)
         acc = torch.zeros((st.T * st.k, K), dtype=torch.float32, device=back_SK.device)
         acc.index_copy_(0, st.route_S, back_SK.float())
         output.copy_(acc.view(st.T, st.k, K).sum(dim=1).to(output.dtype))
