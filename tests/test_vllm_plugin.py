@@ -174,38 +174,46 @@ def test_all2all_map_uses_vllm_names_and_moe_modular_names():
 
 # ---- layer planning ---------------------------------------------------------------------------
 PLAN_CASES = [
-    # (FusedMoEConfig kwargs, plan kwargs, reason fragment or "" when supported)
-    ({}, {}, ""),                                                                   # plain fp32 SiLU layer
-    ({"dtype": torch.bfloat16}, {}, ""),                                            # bf16 activations
-    ({"activation": MoEActivation.GELU}, {}, ""),                                   # gated GELU
-    ({"parallel": mpc(ep=2, use_ep=True)}, {}, ""),                                 # TP2+EP local experts
-    ({"activation": MoEActivation.SWIGLUOAI}, {}, "activation ('swigluoai')"),      # gpt-oss activation
-    ({"has_bias": True}, {}, "expert biases"),                                     # biased experts
-    ({"is_lora_enabled": True}, {}, "LoRA"),                                       # LoRA
-    ({"parallel": mpc(ep=2, use_ep=True, eplb=True)}, {}, "--enable-eplb"),       # EPLB
-    ({}, {"global_num_experts": 10}, "redundant experts"),                          # E + redundant slots
-    ({}, {"unquantized_backend": "XPU"}, "vLLM backend XPU keeps weights"),        # transposed layout
-    ({}, {"placement": "zigzag"}, "expert placement ('zigzag')"),                  # unknown placement
-    ({"parallel": mpc(dp=2)}, {}, "without --enable-expert-parallel"),             # DP without EP
+    # (FusedMoEConfig kwargs, plan kwargs, expected backend or "" when refused, reason fragment)
+    ({}, {}, "none", ""),                                                            # plain fp32 SiLU layer
+    ({"dtype": torch.bfloat16}, {}, "none", ""),                                     # bf16 activations
+    ({"activation": MoEActivation.GELU}, {}, "none", ""),                            # gated GELU
+    ({"parallel": mpc(ep=2, use_ep=True)}, {}, "none", ""),                          # TP2+EP local experts
+    ({"parallel": mpc(dp=2, ep=2, use_ep=True, ep_rank=1)}, {"placement": "round_robin"},
+     "allgather_reducescatter", ""),                                                  # DP2+EP dispatches
+    ({"activation": MoEActivation.SWIGLUOAI}, {}, "", "activation ('swigluoai')"),   # gpt-oss activation
+    ({"has_bias": True}, {}, "", "expert biases"),                                  # biased experts
+    ({"is_lora_enabled": True}, {}, "", "LoRA"),                                    # LoRA
+    ({"parallel": mpc(ep=2, use_ep=True, eplb=True)}, {}, "", "--enable-eplb"),    # EPLB
+    ({}, {"global_num_experts": 10}, "", "redundant experts"),                       # E + redundant slots
+    ({}, {"unquantized_backend": "XPU"}, "", "vLLM backend XPU keeps weights"),     # transposed layout
+    ({}, {"placement": "zigzag"}, "", "expert placement ('zigzag')"),               # unknown placement
+    ({"parallel": mpc(dp=2)}, {}, "", "without --enable-expert-parallel"),          # DP without EP
 ]
 
 
-@pytest.mark.parametrize("moe_kw,plan_kw,reason", PLAN_CASES)
-def test_plan_layer(moe_kw, plan_kw, reason):
+@pytest.mark.parametrize("moe_kw,plan_kw,backend,reason", PLAN_CASES)
+def test_plan_layer(moe_kw, plan_kw, backend, reason):
     moe = vllm_moe(**moe_kw)
     kw = {"unquantized_backend": "CPU", "global_num_experts": moe.num_experts, **plan_kw}
     plan = plugin.plan_layer(moe, ON, **kw)
     if reason:
         assert not plan.supported and reason in plan.reason
         assert plan.moe is None
-    else:
-        assert plan.supported, plan.reason
-        assert plan.backend == registry.NO_EP_BACKEND
-        assert plan.moe.num_experts == moe.num_experts and plan.moe.topk == moe.experts_per_token
-        assert plan.moe.intermediate_dim == moe.intermediate_size_per_partition
-        assert plan.moe.dtype == moe.in_dtype
+        return
+    assert plan.supported, plan.reason
+    assert plan.backend == backend
+    assert plan.prepare_finalize_type is registry.prepare_finalize_type(backend)
+    assert plan.moe.num_experts == moe.num_experts and plan.moe.topk == moe.experts_per_token
+    assert plan.moe.intermediate_dim == moe.intermediate_size_per_partition
+    assert plan.moe.dtype == moe.in_dtype
+    mp = moe.moe_parallel_config
+    if backend == registry.NO_EP_BACKEND:
         assert plan.moe.parallel.ep_size == 1  # no dispatch: the kernel runs on this rank's tokens
-        assert plan.experts_type is registry.select_experts_type(plan.prepare_finalize_type.activation_format(), plan.moe)
+    else:
+        assert (plan.moe.parallel.ep_size, plan.moe.parallel.ep_rank) == (mp.ep_size, mp.ep_rank)
+        assert plan.moe.parallel.placement.value == kw.get("placement", "linear")
+    assert plan.experts_type is registry.select_experts_type(plan.prepare_finalize_type.activation_format(), plan.moe, "cpu")
 
 
 # ---- the hook, end to end on one layer ---------------------------------------------------------

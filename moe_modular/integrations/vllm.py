@@ -22,7 +22,8 @@ PrepareAndFinalize choice, from vLLM's FusedMoEParallelConfig:
   all2all (data parallel > 1 with expert parallel)
       -> the PF registered for MOE_MODULAR_ALL2ALL_BACKEND, or for vLLM's --all2all-backend mapped
          through VLLM_TO_MOE_MODULAR_ALL2ALL, built on a ParallelContext over vLLM's EP group.
-Experts: the registry's first class that supports the layer in the PF's activation format.
+Experts: the registry's first class that supports the layer in the PF's activation format on the
+layer's device type (on the CPU the torch experts; on CUDA the Triton experts first).
 """
 from __future__ import annotations
 
@@ -131,6 +132,11 @@ def _ep_backends() -> list[str]:
     return sorted(n for n in registry.PREPARE_FINALIZE_BY_BACKEND if n != registry.NO_EP_BACKEND)
 
 
+def device_type(device: Any) -> str:
+    """"cpu" / "cuda" / ... for vLLM's FusedMoEConfig.device (a str or a torch.device)."""
+    return torch.device(device).type
+
+
 def plan_layer(vllm_moe: Any, settings: VllmPluginSettings, unquantized_backend: str,
                global_num_experts: Optional[int] = None, placement: str = "linear") -> VllmLayerPlan:
     """Plan one layer from vLLM's FusedMoEConfig `vllm_moe`.
@@ -187,7 +193,7 @@ def plan_layer(vllm_moe: Any, settings: VllmPluginSettings, unquantized_backend:
     if not ok:
         return refuse(f"{pf_type.__name__}: {why}")
     try:
-        experts_type = registry.select_experts_type(pf_type.activation_format(), moe)
+        experts_type = registry.select_experts_type(pf_type.activation_format(), moe, device_type(vllm_moe.device))
     except ValueError as exc:
         return refuse(str(exc))
     return VllmLayerPlan(moe=moe, backend=backend, prepare_finalize_type=pf_type, experts_type=experts_type)
