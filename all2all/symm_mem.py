@@ -152,11 +152,16 @@ class TorchSymmMemBackend:
         self.group_name = group_name
         get_backend = getattr(symm_mem, "get_backend", None)
         current = get_backend(device) if get_backend is not None else None
-        if current is None:
-            symm_mem.set_backend(SYMM_MEM_BACKEND_NAME)
-        elif current != SYMM_MEM_BACKEND_NAME:
-            raise RuntimeError(f"symmetric memory backend on {device} is {current}; the 2-D all-to-all ops need "
-                               f"{SYMM_MEM_BACKEND_NAME} (set before the first symmetric allocation)")
+        if current != SYMM_MEM_BACKEND_NAME:
+            # torch reports its default (CUDA) until a backend is chosen; the choice is only
+            # possible before the first symmetric allocation in this process.
+            try:
+                symm_mem.set_backend(SYMM_MEM_BACKEND_NAME)
+            except Exception as exc:  # noqa: BLE001 - re-raised with what to do
+                raise RuntimeError(
+                    f"symmetric memory backend on {device} is {current}; the 2-D all-to-all ops need "
+                    f"{SYMM_MEM_BACKEND_NAME}, which must be set before the first symmetric allocation ({exc})"
+                ) from exc
         enable = getattr(symm_mem, "enable_symm_mem_for_group", None)
         if enable is not None:  # required before torch 2.9, a deprecated no-op after
             with warnings.catch_warnings():
