@@ -3,8 +3,6 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import Optional
-
 import torch
 
 from moe_modular.quant import QuantConfig

@@ -160,7 +160,6 @@ def test_apply_router_weight_on_input(batched):
 @pytest.mark.parametrize("batched", [False, True])
 def test_expert_map_drops_experts_held_elsewhere(batched):
     E, El = 6, 3
-    moe = MoEConfig(E, 2, 16, 8, dtype=torch.float32)
     x, w1, w2, tw, ti, qp = _problem(9, E, 16, 8, 2)
     held = torch.tensor([4, 0, 2])  # global ids of the local experts, in local order
     expert_map = torch.full((E,), -1, dtype=torch.int32)

@@ -39,9 +39,13 @@ PYTEST_MS = (1, 7, 64)  # one token; a prime count; a full small batch
 PYTEST_TOPKS = (1, 2, 4)  # topk=1 (apply-on-input allowed); typical; topk = E/2
 PYTEST_SHAPE = dict(K=192, N=96, E=8)  # K = 1.5 fp8 blocks of 128 (a partial block); N2 = 192
 
-# Expert-parallel cells: every scheme (bf16 activations; the other dtypes are covered at world
-# size 1, where the dispatch plays no part), on a smaller grid of tokens per rank, since every
-# rank runs Triton's interpreter on two CPU cores.
+# Experts that run as plain torch on the CPU take the full grid and every scheme at every world
+# size. The Triton experts run in Triton's interpreter on the CPU (seconds per launch, on every
+# rank), so their expert-parallel cells take every fp8 scheme with bf16 activations (the other
+# dtypes are covered at world size 1, where the dispatch plays no part) on a smaller grid.
+CPU_FAST_EXPERTS = [t for t in MK_FUSED_EXPERT_TYPES if t.__name__ in ("TorchExperts", "NaiveBatchedExperts",
+                                                                       "GroupedMMExperts")]
+_INTERPRETED_EXPERTS = [t for t in MK_FUSED_EXPERT_TYPES if t not in CPU_FAST_EXPERTS]
 EP_SCHEMES = tuple((d, q) for d, q in MK_QUANT_CONFIGS if d is torch.bfloat16)
 PYTEST_EP_GRIDS = {
     1: dict(Ms=(3,), topks=(2,)),  # the EP classes on a group of one rank
@@ -57,12 +61,12 @@ def _cell_id(cfg: Config) -> str:
             f"{dtype_name(cfg.dtype)}-{cfg.quant.name}-ws{cfg.world_size}")
 
 
-_CELLS = matrix_configs(
-    _SINGLE_RANK_PFS, MK_FUSED_EXPERT_TYPES, MK_QUANT_CONFIGS, (1,),
-    Ms=PYTEST_MS, topks=PYTEST_TOPKS, **PYTEST_SHAPE,
-) + [cell for ws, grid in PYTEST_EP_GRIDS.items() for cell in matrix_configs(
-    _EP_PFS if ws == 1 else MK_ALL_PREPARE_FINALIZE_TYPES, MK_FUSED_EXPERT_TYPES, EP_SCHEMES, (ws,),
-    **grid, **PYTEST_SHAPE)]
+_FULL_GRID = dict(Ms=PYTEST_MS, topks=PYTEST_TOPKS, **PYTEST_SHAPE)
+_CELLS = matrix_configs(_SINGLE_RANK_PFS, MK_FUSED_EXPERT_TYPES, MK_QUANT_CONFIGS, (1,), **_FULL_GRID)
+for _ws, _grid in PYTEST_EP_GRIDS.items():
+    _pfs = _EP_PFS if _ws == 1 else MK_ALL_PREPARE_FINALIZE_TYPES
+    _CELLS += matrix_configs(_pfs, CPU_FAST_EXPERTS, MK_QUANT_CONFIGS, (_ws,), **_FULL_GRID)
+    _CELLS += matrix_configs(_pfs, _INTERPRETED_EXPERTS, EP_SCHEMES, (_ws,), **_grid, **PYTEST_SHAPE)
 
 
 _VALID = [c for c, ok, _ in _CELLS if ok]

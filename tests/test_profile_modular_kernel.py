@@ -3,7 +3,6 @@ combinations CLI's flag errors; nothing overwritten; a missing directory created
 from __future__ import annotations
 
 import json
-import os
 import shlex
 
 import pytest

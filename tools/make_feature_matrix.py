@@ -17,27 +17,28 @@ from __future__ import annotations
 
 import argparse
 import csv
-import datetime
 import io
 import os
 import sys
-import tempfile
-import threading
 import time
-import traceback
 from dataclasses import dataclass
-from typing import Callable, Optional, Sequence
+from typing import Optional, Sequence
 
 # First: on a CPU-only machine the test package selects Triton's interpreter before triton is
 # imported and applies its float fixes (tests/__init__.py), here and in every spawned rank.
 import tests  # noqa: F401  isort: skip
 
 import torch
-import torch.distributed as dist
 
 from moe_modular.config import dtype_name
 from tests.modular_kernel_tools.common import Config
-from tests.modular_kernel_tools.matrix import CellOutcome, _run_cases, matrix_configs, run_config
+from tests.modular_kernel_tools.matrix import (
+    COLLECTIVE_TIMEOUT_S,
+    CellOutcome,
+    last_line,
+    matrix_configs,
+    run_configs,
+)
 from tests.modular_kernel_tools.mk_objects import MK_ALL_PREPARE_FINALIZE_TYPES, MK_FUSED_EXPERT_TYPES, MK_QUANT_CONFIGS
 from tests.modular_kernel_tools.progress import ProgressBar
 from tests.test_modular_kernel_combinations import PYTEST_SHAPE
@@ -47,8 +48,6 @@ from tests.test_modular_kernel_combinations import PYTEST_SHAPE
 FEATURE_MATRIX_MS = (1, 7)
 FEATURE_MATRIX_TOPKS = (2,)  # a token reaches two experts (two ranks at world size 2)
 DEFAULT_WORLD_SIZES = (1, 2, 4)
-# How long a rank waits in one collective of a cell before the cell fails (a peer raised).
-COLLECTIVE_TIMEOUT_S = 120.0
 RESULTS = ("PASS", "FAIL", "SKIP")
 CSV_FIELDS = ("world_size", "prepare_finalize", "experts", "dtype", "quant", "result", "max_error",
               "tolerance", "detail")
@@ -77,15 +76,10 @@ def scheme_label(dtype: str, quant: str) -> str:
     return f"{dtype}/{quant}"
 
 
-def _last_line(text: str) -> str:
-    lines = [ln.strip() for ln in text.strip().splitlines() if ln.strip()]
-    return lines[-1] if lines else text.strip()
-
-
 def describe_failure(outcome: CellOutcome) -> str:
     """One line: the exception message (per failing rank), or the cases that missed the tolerance."""
     if outcome.error:
-        return _last_line(outcome.error)
+        return last_line(outcome.error)
     bad = [r for r in outcome.results if not r.passed]
     if not bad:
         return "no cases ran"
@@ -110,128 +104,24 @@ def record_of_outcome(cfg: Config, outcome: CellOutcome) -> CellRecord:
     return record_of(cfg, "FAIL", describe_failure(outcome), outcome)
 
 
-# ---- running cells -----------------------------------------------------------------------------
-
-def _cell_path(result_dir: str, index: int, rank: int) -> str:
-    return os.path.join(result_dir, f"cell{index}_rank{rank}.pt")
-
-
-def _batch_worker(pgi, cfgs: list[Config], result_dir: str, collective_timeout_s: float) -> None:
-    """One rank: run the cells in order, each in a fresh process group with a collective timeout,
-    saving each cell's outcome as result_dir/cell<i>_rank<r>.pt as soon as it is known."""
-    from moe_modular.parallel_context import ParallelContext
-
-    ranks = list(range(pgi.world_size))
-    for i, cfg in enumerate(cfgs):
-        # Every rank creates the group (a collective on the launch's group), so the ranks start
-        # each cell together even when a peer timed out of the previous one.
-        group = dist.new_group(ranks, timeout=datetime.timedelta(seconds=collective_timeout_s))
-        context = None
-        try:
-            context = ParallelContext.from_group(group, pgi.device, cfg.placement)
-            outcome = CellOutcome(tuple(_run_cases(cfg, rank=pgi.rank, context=context)))
-        except Exception:  # noqa: BLE001 - the cell fails, the next cell runs
-            outcome = CellOutcome(error=f"rank {pgi.rank}: " + traceback.format_exc(limit=8))
-        finally:
-            if context is not None:
-                context.destroy()
-        if outcome.error is None:
-            # Free the group's communicator (NCCL ones hold device memory). A group a peer may
-            # still be stuck in is left alone: tearing it down could block.
-            dist.destroy_process_group(group)
-        tmp = _cell_path(result_dir, i, pgi.rank) + ".tmp"
-        torch.save(outcome, tmp)
-        os.replace(tmp, _cell_path(result_dir, i, pgi.rank))
-
-
-def _merge_ranks(outcomes: list[CellOutcome]) -> CellOutcome:
-    errors = [o.error for o in outcomes if o.error]
-    results = tuple(r for o in outcomes for r in o.results)
-    if not errors:
-        return CellOutcome(results)
-    # A peer's timeout is a consequence; report the rank that raised something else first.
-    errors.sort(key=lambda e: "timed out" in e.lower() or "timeout" in e.lower())
-    return CellOutcome(results, error=errors[0])
-
-
-def run_batched(cfgs: list[Config], world_size: int, on_done: Callable[[int, CellOutcome], None],
-                collective_timeout_s: float = COLLECTIVE_TIMEOUT_S, launch_timeout_s: Optional[float] = None) -> None:
-    """Run `cfgs` (all of `world_size`) in as few launches as possible; on_done(i, outcome) for each
-    cell as it completes, in order. A launch that fails (a rank died or the launch timed out) fails
-    the cell it was in, and the cells after it are relaunched."""
-    from tests.modular_kernel_tools.parallel_utils import parallel_launch
-
-    start = 0
-    while start < len(cfgs):
-        batch = cfgs[start:]
-        timeout = launch_timeout_s or 600.0 + 2 * collective_timeout_s * len(batch)
-        with tempfile.TemporaryDirectory(prefix="feature_matrix_") as tmp:
-            failure: list[BaseException] = []
-
-            def launch() -> None:
-                try:
-                    parallel_launch(world_size, _batch_worker, batch, tmp, collective_timeout_s, timeout_s=timeout)
-                except BaseException as exc:  # noqa: BLE001 - reported below
-                    failure.append(exc)
-
-            thread = threading.Thread(target=launch, daemon=True)
-            thread.start()
-            done = 0
-            while True:
-                alive = thread.is_alive()
-                while done < len(batch) and all(os.path.exists(_cell_path(tmp, done, r)) for r in range(world_size)):
-                    outcomes = [torch.load(_cell_path(tmp, done, r), weights_only=False) for r in range(world_size)]
-                    on_done(start + done, _merge_ranks(outcomes))
-                    done += 1
-                if not alive:
-                    break
-                thread.join(timeout=0.2)
-        if done < len(batch):
-            on_done(start + done, CellOutcome(error=launch_failure_line(failure[0] if failure else None)))
-            done += 1
-        start += done
-
-
-def launch_failure_line(exc: Optional[BaseException]) -> str:
-    """A failed launch in one line: each failed rank with the last line of what happened to it."""
-    from tests.modular_kernel_tools.parallel_utils import ParallelLaunchError
-
-    if isinstance(exc, ParallelLaunchError):
-        return "launch failed: " + " | ".join(f"rank {r}: {_last_line(d)}" for r, d in exc.failures.items())
-    return f"launch failed: {type(exc).__name__}: {exc}" if exc is not None else "launch failed: it ended early"
-
-
 def run_cells(cells: list[tuple[Config, bool, str]], collective_timeout_s: float = COLLECTIVE_TIMEOUT_S,
               progress: bool = True) -> list[CellRecord]:
     """A record for every cell (in the order given): SKIP with the reason, PASS, or FAIL with the error."""
-    records: dict[int, CellRecord] = {}
-    runnable = [(i, cfg) for i, (cfg, ok, _) in enumerate(cells) if ok]
+    runnable = [cfg for cfg, ok, _ in cells if ok]
     bar = ProgressBar(len(runnable), "feature matrix") if progress else None
+    records: dict[Config, CellRecord] = {}
 
-    def finish(i: int, cfg: Config, outcome: CellOutcome) -> None:
-        records[i] = record_of_outcome(cfg, outcome)
+    def finish(cfg: Config, outcome: CellOutcome) -> None:
+        records[cfg] = record_of_outcome(cfg, outcome)
         if outcome.error:
             print(f"\nFAIL {cfg.describe()}:\n{outcome.error}", file=sys.stderr, flush=True)
         if bar:
-            bar.update(1, f"{records[i].result} {cfg.describe()}")
+            bar.update(1, f"{records[cfg].result} {cfg.describe()}")
 
-    for i, (cfg, ok, reason) in enumerate(cells):
-        if not ok:
-            records[i] = record_of(cfg, "SKIP", reason)
-    in_process = [(i, cfg) for i, cfg in runnable
-                  if cfg.world_size == 1 and not cfg.prepare_finalize_type.requires_distributed()]
-    for i, cfg in in_process:
-        finish(i, cfg, run_config(cfg))
-    in_process_ids = {i for i, _ in in_process}
-    launched = [(i, cfg) for i, cfg in runnable if i not in in_process_ids]
-    for ws in sorted({cfg.world_size for _, cfg in launched}):
-        group = [(i, cfg) for i, cfg in launched if cfg.world_size == ws]
-        run_batched([cfg for _, cfg in group], ws,
-                    lambda j, outcome, group=group: finish(group[j][0], group[j][1], outcome),
-                    collective_timeout_s=collective_timeout_s)
+    run_configs(runnable, on_done=finish, collective_timeout_s=collective_timeout_s)
     if bar:
         bar.close()
-    return [records[i] for i in range(len(cells))]
+    return [records[cfg] if ok else record_of(cfg, "SKIP", reason) for cfg, ok, reason in cells]
 
 
 # ---- writing ----------------------------------------------------------------------------------

@@ -37,7 +37,6 @@ from tools.benchmark_moe import (
     Shape,
     Timer,
     capture_graph,
-    log,
     make_inputs,
     make_weights,
     n_sets_for,
