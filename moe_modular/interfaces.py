@@ -57,8 +57,12 @@ class PrepareResult:
     topk_weights: Optional[torch.Tensor] = None
 
 
-def supports_ok() -> tuple[bool, str]:
-    return True, ""
+def check_supported(cls: type, moe: MoEConfig) -> None:
+    """Raise ValueError naming the class, the problem and the class's own reason unless
+    `cls.supports(moe)` says yes (for make() and constructors)."""
+    ok, reason = cls.supports(moe)
+    if not ok:
+        raise ValueError(f"{cls.__name__} cannot serve {moe.describe()}: {reason}")
 
 
 class TopKWeightAndReduce(ABC):
@@ -175,9 +179,7 @@ class FusedMoEExpertsModular(ABC):
             raise ValueError(
                 f"quant.config ({quant.config.name}) must equal moe.quant ({moe.quant.name})"
             )
-        ok, reason = type(self).supports(moe)
-        if not ok:
-            raise ValueError(f"{type(self).__name__} does not support {moe.describe()}: {reason}")
+        check_supported(type(self), moe)
         self.moe = moe
         self.quant = quant
         self.max_num_tokens = max_num_tokens if max_num_tokens is not None else moe.max_num_tokens

@@ -176,7 +176,7 @@ REFUSALS = [
 def test_refusals_name_the_reason(moe, text):
     ok, reason = GroupedMMExperts.supports(moe)
     assert not ok and text in reason, reason
-    with pytest.raises(ValueError, match="GroupedMMExperts does not support"):
+    with pytest.raises(ValueError, match="GroupedMMExperts cannot serve"):
         qp = MoEQuantParams(moe.quant, torch.ones(1), torch.ones(1)) if moe.quant.is_quantized else MoEQuantParams()
         GroupedMMExperts(moe, qp)
 

@@ -15,6 +15,7 @@ from moe_modular.interfaces import (
     ExpertTokensMetadata,
     FusedMoEPrepareAndFinalizeModular,
     PrepareResult,
+    check_supported,
 )
 from moe_modular.prepare_finalize.common import apply_weight_on_input, local_expert_ids
 from moe_modular.quant import ActivationQuant, MoEQuantParams, quantize_activations
@@ -48,9 +49,7 @@ class BatchedPrepareAndFinalize(FusedMoEPrepareAndFinalizeModular):
 
     @classmethod
     def make(cls, moe: MoEConfig, context=None) -> "BatchedPrepareAndFinalize":
-        ok, reason = cls.supports(moe)
-        if not ok:
-            raise ValueError(f"{cls.__name__}: {reason}")
+        check_supported(cls, moe)
         return cls(moe.max_num_tokens, moe.num_local_experts, 1, moe.ep_rank)
 
     def _local_ids(self, topk_ids, expert_map):

@@ -27,6 +27,7 @@ from moe_modular.interfaces import (
     ExpertTokensMetadata,
     FusedMoEPrepareAndFinalizeModular,
     PrepareResult,
+    check_supported,
 )
 from moe_modular.prepare_finalize.common import apply_weight_on_input
 from moe_modular.prepare_finalize.deepep_common import (
@@ -119,9 +120,7 @@ class DeepEPLLPrepareAndFinalize(FusedMoEPrepareAndFinalizeModular):
     @classmethod
     def make(cls, moe: MoEConfig, context=None) -> "DeepEPLLPrepareAndFinalize":
         check_context(cls.__name__, moe, context)
-        ok, reason = cls.supports(moe)
-        if not ok:
-            raise ValueError(f"{cls.__name__} cannot serve {moe.describe()}: {reason}")
+        check_supported(cls, moe)
         return cls(moe, context.all2all(cls.BACKEND))
 
     @classmethod

@@ -9,7 +9,12 @@ from typing import Optional
 import torch
 
 from moe_modular.config import MoEConfig
-from moe_modular.interfaces import ActivationFormat, FusedMoEPrepareAndFinalizeModular, PrepareResult
+from moe_modular.interfaces import (
+    ActivationFormat,
+    FusedMoEPrepareAndFinalizeModular,
+    PrepareResult,
+    check_supported,
+)
 from moe_modular.prepare_finalize.common import apply_weight_on_input
 from moe_modular.quant import MoEQuantParams, quantize_activations
 from moe_modular.weight_and_reduce import TopKWeightAndReduceContiguous, resolve_weight_and_reduce
@@ -26,9 +31,7 @@ class MoEPrepareAndFinalizeNoEP(FusedMoEPrepareAndFinalizeModular):
 
     @classmethod
     def make(cls, moe: MoEConfig, context=None) -> "MoEPrepareAndFinalizeNoEP":
-        ok, reason = cls.supports(moe)
-        if not ok:
-            raise ValueError(f"{cls.__name__}: {reason}")
+        check_supported(cls, moe)
         return cls()
 
     def prepare(self, a1, topk_weights, topk_ids, num_experts, expert_map, apply_router_weight_on_input,

@@ -26,6 +26,7 @@ from moe_modular.interfaces import (
     ExpertTokensMetadata,
     FusedMoEPrepareAndFinalizeModular,
     PrepareResult,
+    check_supported,
 )
 from moe_modular.prepare_finalize.common import apply_weight_on_input
 from moe_modular.prepare_finalize.deepep_common import linear_expert_table
@@ -126,9 +127,7 @@ class SymmMemPrepareAndFinalize(FusedMoEPrepareAndFinalizeModular):
     @classmethod
     def make(cls, moe: MoEConfig, context=None) -> "SymmMemPrepareAndFinalize":
         check_context(cls.__name__, moe, context)
-        ok, reason = cls.supports(moe)
-        if not ok:
-            raise ValueError(f"{cls.__name__} cannot serve {moe.describe()}: {reason}")
+        check_supported(cls, moe)
         return cls(moe, context.all2all(cls.BACKEND))
 
     @classmethod
