@@ -21,7 +21,7 @@ import pytest
 
 pytest.importorskip("vllm", reason="vLLM is not installed here; .ci/vllm_e2e.sh runs this in its virtualenv")
 
-from tests.vllm_e2e.generate import MAX_TOKENS, PROMPTS  # noqa: E402
+from tests.vllm_e2e.generate import MAX_TOKENS, PROMPTS, cpu_bind_for_workers  # noqa: E402
 from tests.vllm_e2e.make_tiny_moe import TinyMoESpec, make_tiny_moe  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -148,14 +148,29 @@ def _http_json(url: str, payload=None, timeout: float = 10.0):
         return json.loads(r.read())
 
 
-def test_openai_server_with_plugin(tiny_model, workdir, off_run):
+SERVER_CASES = [
+    # (name, extra server arguments, workers, PF the workers must log)
+    ("tp1", [], 1, "MoEPrepareAndFinalizeNoEP"),                              # one rank, plain serving
+    ("dp2_ep", ["--data-parallel-size", "2", "--enable-expert-parallel"], 2,  # 2 engines, tokens dispatched
+     "AllGatherReduceScatterPrepareAndFinalize"),
+]
+
+
+@pytest.mark.parametrize("name,extra_args,workers,pf_name", SERVER_CASES)
+def test_openai_server_with_plugin(tiny_model, workdir, off_run, name, extra_args, workers, pf_name):
+    """The OpenAI-compatible server on 127.0.0.1 with the plugin on, queried once. With
+    --data-parallel-size 2 --enable-expert-parallel each engine's worker runs moe-modular's
+    all-gather/reduce-scatter PF over vLLM's EP process group (vLLM's own kernel stops there on
+    the CPU: its CPU communicator has no all_gatherv, see docs/vllm.md)."""
     port = _free_port()
-    log = os.path.join(workdir, "server.log")
+    log = os.path.join(workdir, f"server_{name}.log")
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", tiny_model,
            "--served-model-name", "tiny-moe", "--dtype", "float32", "--enforce-eager",
-           "--max-model-len", "256", "--host", "127.0.0.1", "--port", str(port)]
+           "--max-model-len", "256", "--host", "127.0.0.1", "--port", str(port), *extra_args]
     env = _env(True)
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    if workers > 1:
+        env.setdefault("VLLM_CPU_OMP_THREADS_BIND", cpu_bind_for_workers(workers))
     base = f"http://127.0.0.1:{port}"
     with open(log, "w") as f:
         server = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
@@ -186,4 +201,6 @@ def test_openai_server_with_plugin(tiny_model, workdir, off_run):
     assert text.strip() == off_run["results"][0]["text"].strip()
     with open(log, errors="replace") as f:
         server_log = f.read()
-    assert any(KERNEL_LOG_LINE in ln and "Worker" in ln for ln in server_log.splitlines()), _tail(log)
+    line = f"moe-modular: MoE layers run {pf_name}"
+    logged = [ln for ln in server_log.splitlines() if line in ln and "Worker" in ln]
+    assert len(logged) >= workers, f"{workers} worker(s) must log {line!r}:\n{_tail(log)}"
