@@ -3,6 +3,7 @@ end to end on tiny shapes on the CPU (--smoke)."""
 from __future__ import annotations
 
 import csv
+import dataclasses
 import math
 import os
 
@@ -123,9 +124,54 @@ def test_tune_smoke_writes_a_table_tile_config_reads(tmp_path):
     assert list(buckets) == [8]
     with open(tmp_path / "tune_moe.csv") as f:
         trials = list(csv.DictReader(f))
-    assert len(trials) == len(tune_moe.SMOKE_SPACE)
+    # the smoke tiles plus the incumbent (what TritonExperts picks today: the CPU default heuristic)
+    assert len(trials) == len(tune_moe.SMOKE_SPACE) + 1
+    now = tune_moe.incumbent(TileConfigTable.load(), shape, tune_moe.QUANTS["bf16"], 8, "cpu")
+    assert [int(trials[0][f"g1_{f}"]) for f in ("BLOCK_M", "BLOCK_N", "BLOCK_K")] == [
+        now.gemm1.BLOCK_M, now.gemm1.BLOCK_N, now.gemm1.BLOCK_K]
+    assert int(trials[0]["g2_BLOCK_N"]) == now.gemm2.BLOCK_N
     best = min(trials, key=lambda r: float(r["us"]))
     assert int(best["g1_BLOCK_M"]) == buckets[8].block_m and math.isfinite(float(best["us"]))
+
+
+def test_tune_merge_keeps_untuned_buckets_and_times_the_shipped_tile(tmp_path, monkeypatch):
+    yaml = pytest.importorskip("yaml")
+    from moe_modular import tile_config
+    from moe_modular.kernels.moe_gemm import GemmTile
+    from moe_modular.tile_config import TileConfig, TileConfigTable
+    from tools import tune_moe
+
+    if torch.cuda.is_available():
+        pytest.skip("the smoke tune runs the CPU interpreter")
+    shape = bm.SMOKE_SHAPES["tiny"]
+    key = TileConfigTable.key_for(shape.E, shape.N, shape.K, torch.bfloat16, tune_moe.QUANTS["bf16"], "cpu")
+    shipped_8 = TileConfig(GemmTile(16, 32, 64, 1, 4, 1), GemmTile(16, 64, 32, 1, 4, 1))
+    shipped_1024 = TileConfig(GemmTile(64, 64, 64, 1, 4, 1), GemmTile(64, 64, 64, 1, 4, 1))
+    shipped = TileConfigTable({key: {8: shipped_8, 1024: shipped_1024}})
+    monkeypatch.setattr(tile_config.TileConfigTable, "load", classmethod(lambda cls, directory=None: shipped))
+    assert tune_moe.main(["--smoke", "--out", str(tmp_path)]) == 0
+    with open(tmp_path / TileConfigTable.file_name(key)) as f:
+        _, buckets = TileConfigTable.parse(yaml.safe_load(f))
+    assert sorted(buckets) == [8, 1024] and buckets[1024] == shipped_1024  # carried over, untuned
+    with open(tmp_path / "tune_moe.csv") as f:
+        first = next(csv.DictReader(f))
+    names = [f.name for f in dataclasses.fields(GemmTile)]
+    timed = TileConfig(GemmTile(*(int(first[f"g1_{k}"]) for k in names)),
+                       GemmTile(*(int(first[f"g2_{k}"]) for k in names)))
+    assert timed == shipped_8  # the incumbent is the shipped entry, timed first
+    assert tune_moe.main(["--smoke", "--no-merge", "--out", str(tmp_path / "only")]) == 0
+    with open(tmp_path / "only" / TileConfigTable.file_name(key)) as f:
+        assert sorted(TileConfigTable.parse(yaml.safe_load(f))[1]) == [8]
+
+
+def test_tune_gemm2_candidates_skip_what_was_timed():
+    from tools import tune_moe
+
+    best = (16, 64, 128, 1, 4, 4)
+    pool = [best, (16, 32, 128, 1, 4, 4), (32, 64, 64, 1, 4, 4)]
+    # stage 2 keeps best's BLOCK_M, drops best itself and the second-GEMM tiles already timed
+    assert tune_moe.gemm2_candidates(best, pool, tried=((16, 32, 128, 1, 4, 4),)) == [(16, 64, 64, 1, 4, 4)]
+    assert tune_moe.gemm2_candidates(best, pool) == [(16, 32, 128, 1, 4, 4), (16, 64, 64, 1, 4, 4)]
 
 
 def test_tune_space_is_pruned():

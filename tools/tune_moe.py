@@ -7,12 +7,15 @@
 For each shape, scheme and M bucket, two stages, each candidate timed as the full modular-kernel
 forward (NoEP PF) replayed from a CUDA graph with an L2 flush before each repetition:
   1. one tile shared by both GEMMs, over the search space (pruned: shared memory, accumulator
-     registers, BLOCK_M against the tokens per expert, BLOCK_K within the fp8 block);
-  2. with the best BLOCK_M kept (both GEMMs share the alignment block), the second GEMM's
+     registers, BLOCK_M against the tokens per expert, BLOCK_K within the fp8 block), plus the
+     incumbent: the tiles TritonExperts picks today (the shipped table's entry, or the default
+     heuristic), so a tuned bucket is never slower than what it replaces in the same run;
+  2. with the best first GEMM kept (both GEMMs share the alignment block), the second GEMM's
      BLOCK_N / BLOCK_K / GROUP_M / num_warps / num_stages over the same space.
 Writes OUT/<TileConfigTable.file_name(key)> per (shape, scheme) (copy into moe_modular/configs/ to
-ship it) and OUT/tune_moe.csv with every trial. A candidate that fails to compile or launch (out of
-resources) is recorded and skipped. --budget-s stops the sweep and writes what was found.
+ship it; buckets of the shipped table that this run did not tune are carried over unless
+--no-merge) and OUT/tune_moe.csv with every trial. A candidate that fails to compile or launch
+(out of resources) is recorded and skipped. --budget-s stops the sweep and writes what was found.
 """
 from __future__ import annotations
 
@@ -47,9 +50,15 @@ from tools.benchmark_moe import (
 FULL_SPACE = dict(BLOCK_M=(16, 32, 64, 128), BLOCK_N=(32, 64, 128, 256), BLOCK_K=(64, 128, 256),
                   GROUP_M=(1, 8), num_warps=(4, 8), num_stages=(2, 3, 4, 5))
 SMALL_SPACE = [  # (BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, num_warps, num_stages)
-    (16, 32, 128, 1, 4, 4), (16, 64, 128, 1, 4, 4), (16, 64, 256, 1, 4, 3), (16, 128, 128, 1, 4, 3),
-    (32, 64, 128, 1, 4, 4), (32, 128, 64, 1, 4, 4), (64, 64, 64, 8, 4, 4), (64, 128, 64, 8, 4, 4),
-    (64, 128, 128, 8, 8, 3), (128, 128, 64, 8, 4, 4), (128, 128, 64, 8, 8, 4), (128, 256, 64, 8, 8, 3),
+    # decode: one or two tokens per expert, the weights stream through
+    (16, 32, 128, 1, 4, 4), (16, 32, 256, 1, 4, 3), (16, 64, 128, 1, 4, 4), (16, 64, 256, 1, 4, 3),
+    (16, 64, 256, 1, 4, 4), (16, 128, 128, 1, 4, 3), (16, 128, 256, 1, 8, 3),
+    # a few to a few dozen tokens per expert
+    (32, 64, 128, 1, 4, 4), (32, 64, 256, 1, 4, 3), (32, 128, 64, 1, 4, 4), (64, 64, 64, 8, 4, 4),
+    (64, 64, 128, 8, 4, 4), (64, 128, 64, 8, 4, 4), (64, 128, 128, 8, 8, 3), (64, 256, 64, 8, 8, 4),
+    # prefill: compute-bound, wide tiles in grouped order
+    (128, 128, 64, 8, 4, 4), (128, 128, 64, 8, 8, 4), (128, 128, 128, 8, 8, 3), (128, 256, 64, 8, 8, 3),
+    (128, 256, 64, 8, 8, 4), (256, 128, 64, 8, 8, 3),
 ]
 SMOKE_SPACE = [(16, 32, 32, 1, 4, 1), (32, 64, 64, 1, 4, 1)]
 # Hopper: 227 KiB of shared memory per block; keep a margin for the epilogue.
@@ -96,15 +105,21 @@ def candidates(space: str, elt_bytes: int, per_expert: float, block_k_limit: Opt
     return pool
 
 
-def gemm2_candidates(best: tuple, pool: list[tuple]) -> list[tuple]:
-    """Stage-2 tiles for the second GEMM: the pool's tiles with BLOCK_M set to best's."""
-    seen, out = set(), []
+def gemm2_candidates(best: tuple, pool: list[tuple], tried: tuple = ()) -> list[tuple]:
+    """Stage-2 tiles for the second GEMM: the pool's tiles with BLOCK_M set to best's, except the
+    second-GEMM tiles already timed with this first GEMM (`tried`)."""
+    seen, out = set(tried) | {best}, []
     for t in pool:
         c = (best[0],) + tuple(t[1:])
-        if c != best and c not in seen:
+        if c not in seen:
             seen.add(c)
             out.append(c)
     return out
+
+
+def incumbent(table, shape: Shape, qc, M: int, device: str):
+    """The tiles TritonExperts would use today for this problem (shipped table or default heuristic)."""
+    return table.select(M, shape.E, shape.N, shape.K, shape.topk, torch.bfloat16, qc, device)
 
 
 class Trial:
@@ -143,6 +158,10 @@ def parse_args(argv=None):
     p.add_argument("--space", choices=("small", "full"), default="small")
     p.add_argument("--max-configs", type=int, help="sample at most this many stage-1 tiles per bucket")
     p.add_argument("--no-gemm2", dest="gemm2", action="store_false", help="skip stage 2 (gemm2 overrides)")
+    p.add_argument("--no-incumbent", dest="incumbent", action="store_false",
+                   help="do not time the tiles TritonExperts picks today as a stage-1 candidate")
+    p.add_argument("--no-merge", dest="merge", action="store_false",
+                   help="write only the buckets tuned in this run (default: carry the shipped table's others)")
     p.add_argument("--rep-ms", type=float, default=30.0)
     p.add_argument("--budget-s", type=float, help="stop after this many seconds and write what was found")
     p.add_argument("--out", default="tune_out")
@@ -175,6 +194,7 @@ def main(argv=None) -> int:
     from moe_modular.tile_config import TileConfig, TileConfigTable, device_name
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    shipped = TileConfigTable.load()
     timer = Timer(device, args.rep_ms, min_reps=1 if args.smoke else 5, max_reps=100)
     dev_key = device_name(device)
     os.makedirs(args.out, exist_ok=True)
@@ -192,7 +212,11 @@ def main(argv=None) -> int:
             for M in args.ms:
                 pool = candidates(args.space, elt, M * shape.topk / shape.E, limit, args.max_configs, args.seed + M)
                 plans.append((M, pool))
-            total = sum(len(pool) * (2 if args.gemm2 else 1) for _, pool in plans)
+
+            def per_bucket(pool: list) -> int:
+                return (len(pool) + args.incumbent) * (2 if args.gemm2 else 1)
+
+            total = sum(per_bucket(pool) for _, pool in plans)
             bar = ProgressBar(total, f"{shape_key} {quant_key}")
             buckets: dict[int, TileConfig] = {}
             for M, pool in plans:
@@ -218,23 +242,29 @@ def main(argv=None) -> int:
                     trials.append(rec)
                     bar.update(1, note)
 
-                for t in pool:
-                    tile = _tile(t)
-                    run(TileConfig(tile, tile), 1)
+                stage1 = [TileConfig(_tile(t), _tile(t)) for t in pool]
+                if args.incumbent:
+                    now = incumbent(shipped, shape, qc, M, dev_key)
+                    stage1 = [now] + [c for c in stage1 if c != now]
+                for cfg in stage1:
+                    run(cfg, 1)
+                todo = []
                 if results and args.gemm2:
-                    best_t, best = min(results, key=lambda r: r[0])
-                    g1 = best.gemm1
-                    for t2 in gemm2_candidates(astuple(g1), pool):
+                    g1 = min(results, key=lambda r: r[0])[1].gemm1
+                    tried = tuple(astuple(c.gemm2) for _, c in results if c.gemm1 == g1)
+                    todo = gemm2_candidates(astuple(g1), pool, tried)
+                    for t2 in todo:
                         run(TileConfig(g1, _tile(t2)), 2)
-                    bar.update(max(0, len(pool) - len(gemm2_candidates(astuple(g1), pool))))
-                elif args.gemm2:
-                    bar.update(len(pool))
+                # the bar counted every bucket at its most trials; settle the ones this bucket skipped
+                bar.update(max(0, per_bucket(pool) - len(stage1) - len(todo)))
                 if results:
                     buckets[M] = min(results, key=lambda r: r[0])[1]
                 del sets, trial
             bar.close()
             if buckets:
                 key = TileConfigTable.key_for(shape.E, shape.N, shape.K, torch.bfloat16, qc, dev_key)
+                if args.merge:
+                    buckets = {**shipped.tables.get(key, {}), **buckets}
                 comment = (f"TritonExperts tiles tuned by tools/tune_moe.py (space {args.space}, CUDA graph, NoEP PF)\n"
                            f"torch {torch.__version__}, {time.strftime('%Y-%m-%d')}")
                 path = os.path.join(args.out, TileConfigTable.file_name(key))
