@@ -172,6 +172,11 @@ def test_tune_gemm2_candidates_skip_what_was_timed():
     # stage 2 keeps best's BLOCK_M, drops best itself and the second-GEMM tiles already timed
     assert tune_moe.gemm2_candidates(best, pool, tried=((16, 32, 128, 1, 4, 4),)) == [(16, 64, 64, 1, 4, 4)]
     assert tune_moe.gemm2_candidates(best, pool) == [(16, 32, 128, 1, 4, 4), (16, 64, 64, 1, 4, 4)]
+    # a decode tile with BLOCK_M raised to a prefill BLOCK_M can overflow shared memory: pruned
+    wide = (128, 256, 64, 8, 8, 3)
+    deep = [(16, 64, 256, 1, 4, 4), (16, 32, 128, 1, 4, 4)]
+    fits = lambda t: tune_moe._fits(t, 2, 1024.0, None)  # noqa: E731
+    assert tune_moe.gemm2_candidates(wide, deep, fits=fits) == [(128, 32, 128, 1, 4, 4)]
 
 
 def test_tune_space_is_pruned():

@@ -28,7 +28,7 @@ import random
 import sys
 import time
 from dataclasses import asdict, astuple
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -105,13 +105,14 @@ def candidates(space: str, elt_bytes: int, per_expert: float, block_k_limit: Opt
     return pool
 
 
-def gemm2_candidates(best: tuple, pool: list[tuple], tried: tuple = ()) -> list[tuple]:
-    """Stage-2 tiles for the second GEMM: the pool's tiles with BLOCK_M set to best's, except the
-    second-GEMM tiles already timed with this first GEMM (`tried`)."""
+def gemm2_candidates(best: tuple, pool: list[tuple], tried: tuple = (),
+                     fits: Callable[[tuple], bool] = lambda t: True) -> list[tuple]:
+    """Stage-2 tiles for the second GEMM: the pool's tiles with BLOCK_M set to best's that still
+    `fit`, except the second-GEMM tiles already timed with this first GEMM (`tried`)."""
     seen, out = set(tried) | {best}, []
     for t in pool:
         c = (best[0],) + tuple(t[1:])
-        if c not in seen:
+        if c not in seen and fits(c):
             seen.add(c)
             out.append(c)
     return out
@@ -252,7 +253,9 @@ def main(argv=None) -> int:
                 if results and args.gemm2:
                     g1 = min(results, key=lambda r: r[0])[1].gemm1
                     tried = tuple(astuple(c.gemm2) for _, c in results if c.gemm1 == g1)
-                    todo = gemm2_candidates(astuple(g1), pool, tried)
+                    per_expert = M * shape.topk / shape.E
+                    todo = gemm2_candidates(astuple(g1), pool, tried,
+                                            lambda t: args.space == "smoke" or _fits(t, elt, per_expert, limit))
                     for t2 in todo:
                         run(TileConfig(g1, _tile(t2)), 2)
                 # the bar counted every bucket at its most trials; settle the ones this bucket skipped
