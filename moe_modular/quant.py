@@ -236,19 +236,28 @@ def quantize_activations(
     x_TK: torch.Tensor,
     config: QuantConfig,
     static_scale: Optional[torch.Tensor] = None,
+    *,
+    use_kernel: bool = True,
 ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """Quantize activations x_TK (T, K) float to the scheme's format.
 
     Returns (xq_TK, scale): xq is fp8 e4m3 (T, K) (x_TK itself when unquantized) and scale is
     float32 (1,) / (T, 1) / (T, ceil(K/Bk)) for per-tensor / per-token / group, None when unquantized.
+    CUDA tensors go through one Triton kernel (kernels/quant_fp8.py, the same bits) unless
+    use_kernel is False; everything else, and the float32 oracle, through torch ops.
     """
     if not config.is_quantized:
         return x_TK, None
+    static = config.activation is ActivationQuant.PER_TENSOR and config.static_activation_scale
+    if static and static_scale is None:
+        raise ValueError(f"a static activation scale is required for scheme {config.name}")
+    if use_kernel and x_TK.is_cuda and x_TK.dim() == 2:
+        quantized = _quantize_activations_triton(x_TK, config, static_scale)
+        if quantized is not None:
+            return quantized
     xf = x_TK.float()
     if config.activation is ActivationQuant.PER_TENSOR:
-        if config.static_activation_scale:
-            if static_scale is None:
-                raise ValueError(f"a static activation scale is required for scheme {config.name}")
+        if static:
             scale = static_scale.float().reshape(1)
         else:
             scale = _scale_from_amax(xf.abs().amax().reshape(1)) if xf.numel() else torch.ones(
@@ -270,6 +279,24 @@ def quantize_activations(
         (0, G), dtype=torch.float32, device=x_TK.device)
     xq = _cast_fp8(groups / scale.unsqueeze(-1)).view(T, G * bk)[:, :K].contiguous()
     return xq, scale
+
+
+def _quantize_activations_triton(
+    x_TK: torch.Tensor, config: QuantConfig, static_scale: Optional[torch.Tensor]
+) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
+    """The same quantization by the Triton kernel of kernels/quant_fp8.py (one or two launches
+    instead of a chain of torch ops), or None where triton is missing."""
+    try:
+        from moe_modular.kernels.quant_fp8 import Fp8Scaling, quantize_fp8
+    except ImportError:
+        return None
+    if config.activation is ActivationQuant.PER_TOKEN:
+        return quantize_fp8(x_TK, Fp8Scaling.TOKEN)
+    if config.activation is ActivationQuant.GROUP:
+        return quantize_fp8(x_TK, Fp8Scaling.GROUP, group_size=config.group_size)
+    if config.static_activation_scale:
+        return quantize_fp8(x_TK, Fp8Scaling.STATIC, static_scale=static_scale)
+    return quantize_fp8(x_TK, Fp8Scaling.DYNAMIC)
 
 
 def dequantize_activations(
@@ -331,6 +358,6 @@ def dequantize_weights(wq_ENK: torch.Tensor, scale: Optional[torch.Tensor], conf
 
 
 def fake_quantize_activations(x_TK: torch.Tensor, params: "MoEQuantParams", static_scale=None) -> torch.Tensor:
-    """Quantize then dequantize (float32), the oracle's model of activation quantization."""
-    xq, s = quantize_activations(x_TK, params.config, static_scale)
+    """Quantize then dequantize (float32), the oracle's model of activation quantization (torch ops)."""
+    xq, s = quantize_activations(x_TK, params.config, static_scale, use_kernel=False)
     return dequantize_activations(xq, s, params.config)

@@ -254,6 +254,51 @@ def test_moe_sum_ignores_routes_not_held(T, k, K, kind):
     assert _rel(out.cpu(), ref) <= torch.finfo(torch.bfloat16).eps
 
 
+# ---- quant_fp8: the GPU path of quantize_activations ------------------------------------------
+# (T, K, input dtype, scheme): K not a multiple of the group, a single row, no rows.
+QUANT_CASES = [
+    (5, 200, torch.bfloat16, QuantConfig.fp8_block((128, 128))),
+    (3, 96, torch.float32, QuantConfig.fp8_block((128, 32))),
+    (1, 160, torch.float16, QuantConfig.fp8_per_token()),
+    (6, 130, torch.bfloat16, QuantConfig.fp8_per_token()),
+    (4, 72, torch.bfloat16, QuantConfig.fp8_per_tensor(static=True)),
+    (7, 100, torch.float32, QuantConfig.fp8_per_tensor()),
+    (0, 64, torch.bfloat16, QuantConfig.fp8_per_token()),
+]
+
+
+@pytest.mark.parametrize("T,K,dtype,qc", QUANT_CASES, ids=lambda v: getattr(v, "name", str(v)))
+def test_quantize_fp8_kernel_matches_torch_bit_for_bit(T, K, dtype, qc):
+    from moe_modular.quant import _quantize_activations_triton
+
+    g = _gen(T * 1000 + K)
+    x = (torch.randn(T, K, generator=g) * torch.logspace(-3, 2, K)).to(dtype)
+    if T > 1:
+        x[1] = 0  # an all-zero row takes the minimum amax
+    static = torch.tensor([0.0375]) if qc.static_activation_scale else None
+    ref_q, ref_s = quantize_activations(x, qc, static, use_kernel=False)
+    xd = x.to(DEVICE)
+    q, s = _quantize_activations_triton(xd, qc, static.to(DEVICE) if static is not None else None)
+    assert q.dtype == FP8_DTYPE and q.shape == ref_q.shape and s.shape == ref_s.shape
+    assert torch.equal(s.cpu(), ref_s)
+    assert torch.equal(q.cpu().view(torch.uint8), ref_q.view(torch.uint8))
+    if DEVICE.type == "cuda":  # quantize_activations itself takes the kernel on CUDA tensors
+        q2, s2 = quantize_activations(xd, qc, static.to(DEVICE) if static is not None else None)
+        assert torch.equal(q2.view(torch.uint8), q.view(torch.uint8)) and torch.equal(s2, s)
+
+
+def test_quantize_fp8_rejects_bad_arguments():
+    from moe_modular.kernels.quant_fp8 import Fp8Scaling, quantize_fp8
+
+    x = torch.randn(2, 64).to(DEVICE)
+    with pytest.raises(ValueError, match=r"group_size \(48\) must be a power of two"):
+        quantize_fp8(x, Fp8Scaling.GROUP, group_size=48)
+    with pytest.raises(ValueError, match="static_scale"):
+        quantize_fp8(x, Fp8Scaling.STATIC)
+    with pytest.raises(ValueError, match=r"2-D \(T, K\)"):
+        quantize_fp8(x[0], Fp8Scaling.TOKEN)
+
+
 # ---- the interpreter patch (tests/conftest.py) -----------------------------------------------
 @pytest.mark.skipif(not INTERPRETED, reason="checks the CPU interpreter patch")
 def test_interpreter_patch_rounds_like_the_gpu():
