@@ -70,19 +70,25 @@ def _quant_fp8_kernel(
         if tl.program_id(0) == 0:
             tl.store(scale_ptr, tensor_scale)
 
-    for k0 in range(0, K, BLOCK_K):
-        offs = k0 + tl.arange(0, BLOCK_K)
+    if SCALING == _GROUP:  # one group per program along grid axis 1; BLOCK_K is the group size
+        g = tl.program_id(1)
+        offs = g * BLOCK_K + tl.arange(0, BLOCK_K)
         m = valid[:, None] & (offs[None, :] < K)
         x = tl.load(x_rows + offs[None, :] * stride_xk, mask=m, other=0.0).to(tl.float32)
-        if SCALING == _TOKEN:
-            y = _to_fp8(x, row_scale[:, None], out_ptr.dtype.element_ty)
-        elif SCALING == _GROUP:  # BLOCK_K is the group size
-            group_scale = _scale_of(tl.max(tl.abs(x), axis=1))
-            tl.store(scale_ptr + rows64 * stride_sm + (k0 // BLOCK_K) * stride_sg, group_scale, mask=valid)
-            y = _to_fp8(x, group_scale[:, None], out_ptr.dtype.element_ty)
-        else:
-            y = _to_fp8(x, tensor_scale, out_ptr.dtype.element_ty)
-        tl.store(o_rows + offs[None, :] * stride_ok, y, mask=m)
+        group_scale = _scale_of(tl.max(tl.abs(x), axis=1))
+        tl.store(scale_ptr + rows64 * stride_sm + g * stride_sg, group_scale, mask=valid)
+        tl.store(o_rows + offs[None, :] * stride_ok, _to_fp8(x, group_scale[:, None], out_ptr.dtype.element_ty),
+                 mask=m)
+    else:
+        for k0 in range(0, K, BLOCK_K):
+            offs = k0 + tl.arange(0, BLOCK_K)
+            m = valid[:, None] & (offs[None, :] < K)
+            x = tl.load(x_rows + offs[None, :] * stride_xk, mask=m, other=0.0).to(tl.float32)
+            if SCALING == _TOKEN:
+                y = _to_fp8(x, row_scale[:, None], out_ptr.dtype.element_ty)
+            else:
+                y = _to_fp8(x, tensor_scale, out_ptr.dtype.element_ty)
+            tl.store(o_rows + offs[None, :] * stride_ok, y, mask=m)
 
 
 def quantize_fp8(
@@ -119,8 +125,12 @@ def quantize_fp8(
         block_k = min(next_pow2(K), 1024 if x_TK.is_cuda else 128)
     if T == 0 or K == 0:
         return out, scale
-    block_r = max(1, min(next_pow2(T), 4096 // block_k)) if x_TK.is_cuda else 16
-    grid = (cdiv(T, block_r),)
+    if scaling is Fp8Scaling.GROUP:  # a program per (row block, group): every SM busy at small T
+        block_r = min(next_pow2(T), 16)
+        grid = (cdiv(T, block_r), cdiv(K, group_size))
+    else:
+        block_r = max(1, min(next_pow2(T), 4096 // block_k)) if x_TK.is_cuda else 16
+        grid = (cdiv(T, block_r),)
     s_m, s_g = (scale.stride(0), scale.stride(1)) if scale.dim() == 2 else (0, 0)
     args = (x_TK, out, scale, amax, T, K, *x_TK.stride(), *out.stride(), s_m, s_g)
     meta = dict(SCALING=scaling.value, BLOCK_R=block_r, BLOCK_K=block_k, num_warps=4)
