@@ -152,6 +152,28 @@ def test_triton_experts_match_oracle(c: Case):
     assert err <= tolerance(c.dtype, c.quant), f"relative error {err:.3e}"
 
 
+@pytest.mark.parametrize("fuse", [True, False], ids=["fused", "separate"])
+@pytest.mark.parametrize("c", [Case(9, 7, 3), Case(6, 7, 2, dtype=torch.float16, activation=Activation.GELU),
+                               Case(7, 8, 2, held=(1, 2, 5, 6))], ids=_name)
+def test_activation_in_the_first_gemm_or_its_own_kernel(c: Case, fuse: bool, monkeypatch):
+    # Unquantized SiLU / GELU: fused, the first GEMM writes act(gate) * up and act_and_mul never
+    # runs; fuse_activation=False keeps the separate kernel. Both match the oracle.
+    from moe_modular.kernels import act_and_mul as act_module
+
+    calls = []
+    real = act_module.act_and_mul
+    monkeypatch.setattr(act_module, "act_and_mul", lambda *a, **k: calls.append(1) or real(*a, **k))
+    moe, qp, x, w1, w2, tw, ti, expert_map = make_inputs(c, seed=c.T + 3 * c.E)
+    fe = TritonExperts(moe, qp, fuse_activation=fuse)
+    ws13, ws2, out = _poisoned_workspaces(fe, c.T, w1.shape[1], c.K, c.topk, c.E, w1.shape[0])
+    fe.apply(out, x, w1, w2, tw, ti, c.activation, c.E, expert_map, None, None, ws13, ws2, None, False)
+    assert len(calls) == (0 if fuse else 1)
+    ref = _reference(c, qp, x, w1, w2, tw, ti, expert_map)
+    assert torch.isfinite(out).all(), "a row of the output was not written"
+    err = ((out.float() - ref).norm() / ref.norm()).item()
+    assert err <= tolerance(c.dtype, c.quant), f"relative error {err:.3e}"
+
+
 @pytest.mark.parametrize("c", BATCHED_CASES, ids=_name)
 def test_batched_triton_experts_match_oracle(c: Case):
     moe, qp, x, w1, w2, tw, ti, _ = make_inputs(c, seed=c.T + 13 * c.E)

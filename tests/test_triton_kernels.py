@@ -254,6 +254,38 @@ def test_moe_sum_ignores_routes_not_held(T, k, K, kind):
     assert _rel(out.cpu(), ref) <= torch.finfo(torch.bfloat16).eps
 
 
+@pytest.mark.parametrize("activation", [Activation.SILU, Activation.GELU], ids=lambda a: a.value)
+def test_moe_gemm_fused_activation_matches_oracle(activation):
+    # First GEMM with act(gate) * up in the epilogue: c (R, N) from b (El, 2N, K); rows grouped by
+    # moe_align; the rows of unheld routes (id -1) are not written (NaN stays).
+    T, k, El, K, N = 5, 2, 3, 96, 40
+    g = _gen(7)
+    x = torch.randn(T, K, generator=g).to(torch.bfloat16)
+    b = (torch.randn(El, 2 * N, K, generator=g) / K ** 0.5).to(torch.bfloat16)
+    ids = torch.randint(0, El, (T, k), generator=g, dtype=torch.int32)
+    ids[0, 1] = -1
+    tile = GemmTile(16, 32, 32, 1, 4, 2)
+    sorted_ids, block_expert, num_pp = moe_align(ids.to(DEVICE), tile.BLOCK_M, El, None)
+    c = torch.full((T * k, N), float("nan"), dtype=torch.bfloat16, device=DEVICE)
+    moe_gemm(x.to(DEVICE), b.to(DEVICE), c, tile, sorted_ids_S=sorted_ids, block_expert_Mb=block_expert,
+             num_post_padded=num_pp, a_row_div=k, num_routes=T * k, fuse_activation=activation)
+    c = c.cpu()
+    for r in range(T * k):
+        e = int(ids.view(-1)[r])
+        if e < 0:
+            assert c[r].isnan().all()
+            continue
+        ref = act_and_mul_torch(moe_gemm_torch(x[r // k: r // k + 1], b[e]), activation)
+        assert _rel(c[r: r + 1], ref) <= 2 * torch.finfo(torch.bfloat16).eps
+    with pytest.raises(ValueError, match="fuse_activation .* must be one of"):
+        moe_gemm(x.to(DEVICE), b.to(DEVICE), c.to(DEVICE), tile, sorted_ids_S=sorted_ids, block_expert_Mb=block_expert,
+                 num_post_padded=num_pp, a_row_div=k, num_routes=T * k, fuse_activation=Activation.SWIGLU_OAI)
+    with pytest.raises(ValueError, match="2N|even and c with 40 columns"):
+        moe_gemm(x.to(DEVICE), b.to(DEVICE), torch.empty(T * k, 2 * N, device=DEVICE), tile, sorted_ids_S=sorted_ids,
+                 block_expert_Mb=block_expert, num_post_padded=num_pp, a_row_div=k, num_routes=T * k,
+                 fuse_activation=activation)
+
+
 # ---- quant_fp8: the GPU path of quantize_activations ------------------------------------------
 # (T, K, input dtype, scheme): K not a multiple of the group, a single row, no rows.
 QUANT_CASES = [

@@ -78,7 +78,11 @@ QUANTS: dict[str, QuantConfig] = {
 EXPERTS: dict[str, str] = {
     "triton": "moe_modular.experts.triton_experts:TritonExperts",
     "grouped_mm": "moe_modular.experts.grouped_mm_experts:GroupedMMExperts",
+    "triton-separate-act": "moe_modular.experts.triton_experts:TritonExperts",
 }
+# Constructor keywords of an EXPERTS entry beyond (moe, quant params); Triton entries also get --tile-dir.
+EXPERT_KWARGS: dict[str, dict] = {"triton-separate-act": {"fuse_activation": False}}
+DEFAULT_EXPERTS = ["triton", "grouped_mm"]
 
 # vLLM's Triton fused_moe, fraction of floor on one H200, bf16, eager (BENCHMARKS.md).
 VLLM_FRACTION: dict[str, list[float]] = {
@@ -391,7 +395,9 @@ def run_cell(name: str, shape_key: str, shape: Shape, quant_key: str, qc: QuantC
     status = []
     try:
         pf = MoEPrepareAndFinalizeNoEP.make(moe)
-        kwargs = {"tile_table": tile_table} if (tile_table is not None and name == "triton") else {}
+        kwargs = dict(EXPERT_KWARGS.get(name, {}))
+        if tile_table is not None and name.startswith("triton"):
+            kwargs["tile_table"] = tile_table
         fe = cls(moe, weights.qp, max_num_tokens=pf.max_num_tokens_per_rank(), num_dispatchers=pf.num_dispatchers(),
                  **kwargs)
         mk = FusedMoEModularKernel(pf, fe)
@@ -634,7 +640,9 @@ def parse_args(argv=None):
     p.add_argument("--shapes", nargs="+", help=f"subset of {list(SHAPES)} (smoke: {list(SMOKE_SHAPES)})")
     p.add_argument("-m", "--m", dest="ms", type=int, nargs="+", help=f"token counts (default {BENCH_MS})")
     p.add_argument("--quant", nargs="+", default=["bf16"], help=f"schemes, of {list(QUANTS)}")
-    p.add_argument("--experts", nargs="+", default=list(EXPERTS), help=f"of {list(EXPERTS)}")
+    p.add_argument("--experts", nargs="+", default=DEFAULT_EXPERTS,
+                   help=f"of {list(EXPERTS)} (triton-separate-act: TritonExperts with the activation in its own "
+                        f"kernel, not the first GEMM's epilogue; default {DEFAULT_EXPERTS})")
     p.add_argument("--out", help="directory for the CSV, JSON and PNG (default benchmark_out)")
     p.add_argument("--render", metavar="DIR", help="only redo the tables and plots of the run in DIR")
     p.add_argument("--rep-ms", type=float, default=100.0, help="time budget of one measurement")

@@ -8,11 +8,14 @@ capturable):
   1. moe_align: routes grouped by local expert, padded to BLOCK_M (expert_map -1: no slot)
   2. GEMM1: h1 (R, N2) = a1q[token of route] @ w1[e].T, dequantized
   3. act_and_mul: intermediate (R, Ni) = act(gate) * up, re-quantized to fp8 for fp8 schemes
+     (unquantized SiLU / GELU: GEMM1 computes act(gate) * up in its epilogue and writes the
+     intermediate itself; h1 is never stored)
   4. GEMM2: y (R, K) = intermediate @ w2[e].T, dequantized, times the route's top-k weight
   5. moe_sum: output (T, K) = sum of the held routes of each token
 """
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Optional
 
 import torch
@@ -57,15 +60,18 @@ class TritonExperts(FusedMoEExpertsModular):
     maps. Applies the top-k weights in the second GEMM and reduces the routes itself, so it
     writes the final (T, K) and the PF has nothing left to reduce (TopKWeightAndReduceNoOp).
 
-    Extra keyword: tile_table (a TileConfigTable; the packaged tables when None) or tile_config
-    (fixed tiles for every call, e.g. in tests).
+    Extra keywords: tile_table (a TileConfigTable; the packaged tables when None) or tile_config
+    (fixed tiles for every call, e.g. in tests); fuse_activation (default True: the unquantized
+    SiLU / GELU activation runs in the first GEMM's epilogue; False keeps the separate kernel).
     """
 
     def __init__(self, moe: MoEConfig, quant: MoEQuantParams, max_num_tokens: Optional[int] = None,
-                 num_dispatchers: int = 1, *, tile_table=None, tile_config=None) -> None:
+                 num_dispatchers: int = 1, *, tile_table=None, tile_config=None,
+                 fuse_activation: bool = True) -> None:
         super().__init__(moe, quant, max_num_tokens=max_num_tokens, num_dispatchers=num_dispatchers)
         self.modes = scheme_modes(moe.quant)
         self.tiles = TileSelector(moe, tile_table, tile_config)
+        self.fuse_activation = fuse_activation
         self._layouts = BoundedMemo()
 
     @classmethod
@@ -124,7 +130,7 @@ class TritonExperts(FusedMoEExpertsModular):
         (T, G)) or the activation dtype; w1 (El, N2, K), w2 (El, K, Ni); topk_weights (T, k) float32;
         topk_ids (T, k) int: global ids mapped by expert_map (E,) int32, or local ids (-1 or any id
         outside [0, El) = not held here) when expert_map is None; a2_scale (1,) for static schemes."""
-        from moe_modular.kernels.act_and_mul import RowMode, act_and_mul
+        from moe_modular.kernels.act_and_mul import GEMM_FUSABLE_ACTIVATIONS, RowMode, act_and_mul
         from moe_modular.kernels.moe_align import moe_align
         from moe_modular.kernels.moe_gemm import moe_gemm
         from moe_modular.kernels.moe_sum import moe_sum
@@ -151,12 +157,19 @@ class TritonExperts(FusedMoEExpertsModular):
         sorted_ids, block_expert, num_post_padded = moe_align(topk_ids, cfg.block_m, El, expert_map, buffers=buf)
         align = dict(sorted_ids_S=sorted_ids, block_expert_Mb=block_expert, num_post_padded=num_post_padded,
                      num_routes=R)
-        moe_gemm(hidden_states, w1, h1, cfg.gemm1, a_scale=a1q_scale, a_scale_mode=modes.a1,
-                 b_scale=q.w1_scale, b_scale_mode=modes.w, group_shape=group, a_row_div=topk, **align)
         inter_scale = buf.get("intermediate_scale", a2_scale)
-        act_and_mul(h1, activation, buf["intermediate"], quant=modes.intermediate, scale=inter_scale,
-                    amax_El=buf.get("amax"), group_size=group[1] if q.config.is_block else 128,
-                    row_mode=RowMode.ROUTES, topk_ids_Tk=topk_ids, expert_map_E=expert_map, num_local_experts=El)
+        if self.fuse_activation and not q.config.is_quantized and activation in GEMM_FUSABLE_ACTIVATIONS:
+            # the tile's BLOCK_N counted w1 rows; fused, each program reads BLOCK_N gate + BLOCK_N up rows
+            tile1 = replace(cfg.gemm1, BLOCK_N=max(16, cfg.gemm1.BLOCK_N // 2))
+            moe_gemm(hidden_states, w1, buf["intermediate"], tile1, a_row_div=topk, fuse_activation=activation,
+                     **align)
+        else:
+            moe_gemm(hidden_states, w1, h1, cfg.gemm1, a_scale=a1q_scale, a_scale_mode=modes.a1,
+                     b_scale=q.w1_scale, b_scale_mode=modes.w, group_shape=group, a_row_div=topk, **align)
+            act_and_mul(h1, activation, buf["intermediate"], quant=modes.intermediate, scale=inter_scale,
+                        amax_El=buf.get("amax"), group_size=group[1] if q.config.is_block else 128,
+                        row_mode=RowMode.ROUTES, topk_ids_Tk=topk_ids, expert_map_E=expert_map,
+                        num_local_experts=El)
         moe_gemm(buf["intermediate"], w2, y, cfg.gemm2, a_scale=inter_scale, a_scale_mode=modes.a2,
                  b_scale=q.w2_scale, b_scale_mode=modes.w, group_shape=group, a_row_div=1,
                  topk_weights_Tk=None if apply_router_weight_on_input else topk_weights, **align)

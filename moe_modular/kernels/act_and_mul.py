@@ -61,6 +61,8 @@ class RowMode(enum.Enum):
 
 
 _ACT_CODE: dict[Activation, int] = {Activation.SILU: 0, Activation.GELU: 1, Activation.SWIGLU_OAI: 2}
+# Activations the first GEMM can apply in its epilogue (gate and up are contiguous halves of w1).
+GEMM_FUSABLE_ACTIVATIONS = (Activation.SILU, Activation.GELU)
 _Q_CODE: dict[IntermediateQuant, int] = {IntermediateQuant.NONE: 0, IntermediateQuant.TENSOR_STATIC: 1,
                                          IntermediateQuant.TENSOR_DYNAMIC: 3, IntermediateQuant.TOKEN: 4,
                                          IntermediateQuant.GROUP: 5}
@@ -95,10 +97,17 @@ def _act_tile(x_row_ptrs, offs_n, mask, N, stride_xn, ACTIVATION: tl.constexpr):
     else:
         g = tl.load(x_row_ptrs + offs_n[None, :] * stride_xn, mask=mask, other=0.0).to(tl.float32)
         u = tl.load(x_row_ptrs + (N + offs_n)[None, :] * stride_xn, mask=mask, other=0.0).to(tl.float32)
-        if ACTIVATION == _ACT_SILU:
-            h = g / (1.0 + tl.exp(-g)) * u
-        else:
-            h = 0.5 * g * (1.0 + tl.math.erf(g * 0.7071067811865476)) * u
+        h = gated_act(g, u, ACTIVATION)
+    return h
+
+
+@triton.jit
+def gated_act(g, u, ACTIVATION: tl.constexpr):
+    """act(g) * u in float32 for SiLU or GELU (the contiguous gate | up layout)."""
+    if ACTIVATION == _ACT_SILU:
+        h = g / (1.0 + tl.exp(-g)) * u
+    else:
+        h = 0.5 * g * (1.0 + tl.math.erf(g * 0.7071067811865476)) * u
     return h
 
 

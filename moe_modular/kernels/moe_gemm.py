@@ -25,6 +25,8 @@ import torch
 import triton
 import triton.language as tl
 
+from moe_modular.config import Activation
+from moe_modular.kernels.act_and_mul import _ACT_CODE, GEMM_FUSABLE_ACTIVATIONS, gated_act
 from moe_modular.kernels.host import cdiv
 
 # Scale-mode codes as the kernel sees them (compile-time constants).
@@ -85,6 +87,7 @@ def _moe_gemm_kernel(
     A_ROW_DIV: tl.constexpr, BATCHED: tl.constexpr,
     A_SCALE: tl.constexpr, B_SCALE: tl.constexpr, GROUP_N: tl.constexpr, GROUP_K: tl.constexpr,
     MUL_WEIGHT: tl.constexpr, EVEN_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    FUSE_ACT: tl.constexpr, ACTIVATION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
     # Tile order: GROUP_M row blocks share each column sweep (B tiles stay in L2).
@@ -129,14 +132,23 @@ def _moe_gemm_kernel(
     bs_col = b_scale_ptr + e64 * stride_bse + (offs_bn // GROUP_N) * stride_bsn
 
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    if FUSE_ACT:  # B rows [N, 2N) are the up half: a second accumulator, act(gate) * up at the end
+        acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        up_off = N * stride_bn
     for kt in range(0, tl.cdiv(K, BLOCK_K)):
         if EVEN_K:
             a = tl.load(a_ptrs, mask=row_mask[:, None], other=0.0)
             b = tl.load(b_ptrs)
+            if FUSE_ACT:
+                b_up = tl.load(b_ptrs + up_off)
         else:
             k_left = K - kt * BLOCK_K
             a = tl.load(a_ptrs, mask=row_mask[:, None] & (offs_k[None, :] < k_left), other=0.0)
             b = tl.load(b_ptrs, mask=offs_k[:, None] < k_left, other=0.0)
+            if FUSE_ACT:
+                b_up = tl.load(b_ptrs + up_off, mask=offs_k[:, None] < k_left, other=0.0)
+        if FUSE_ACT:
+            acc_up = tl.dot(a, b_up, acc_up, input_precision=DOT_PRECISION)
         if A_SCALE == A_GROUP:
             kg = (kt * BLOCK_K) // GROUP_K
             a_s = tl.load(as_row + kg * stride_ask, mask=row_mask, other=0.0)
@@ -157,6 +169,8 @@ def _moe_gemm_kernel(
         acc = acc * tl.load(b_scale_ptr + e64 * stride_bse)
     elif B_SCALE == B_CHANNEL:
         acc = acc * tl.load(b_scale_ptr + e64 * stride_bse + offs_bn * stride_bsn)[None, :]
+    if FUSE_ACT:
+        acc = gated_act(acc, acc_up, ACTIVATION)
     if MUL_WEIGHT:
         w = tl.load(topk_weights_ptr + (c_row // topk) * stride_wt + (c_row % topk) * stride_wk,
                     mask=row_mask, other=0.0)
@@ -200,6 +214,7 @@ def moe_gemm(
     a_row_div: int = 1,
     num_routes: int = 0,
     expert_num_tokens_El: Optional[torch.Tensor] = None,
+    fuse_activation: Optional[Activation] = None,
 ) -> torch.Tensor:
     """Launch one grouped GEMM; returns c.
 
@@ -208,11 +223,24 @@ def moe_gemm(
       num_routes = R; topk_weights_Tk (T, k) float32 multiplies row s by weight[s // k, s % k].
     Batched (expert_num_tokens_El given): a (El, Bt, Ko), c (El, Bt, No).
     b_ENK (El, No, Ko); scales as in the module docstring; group_shape = (group_n, group_k) for BLOCK.
+    fuse_activation (SiLU or GELU, unquantized only): b_ENK holds the gate rows then the up rows
+      (El, 2 * No, Ko) and c gets act(a @ gate.T) * (a @ up.T), (rows, No); tile.BLOCK_N counts c's
+      columns (each program reads 2 * BLOCK_N rows of b_ENK).
     """
     batched = expert_num_tokens_El is not None
     if batched == (sorted_ids_S is not None):
         raise ValueError("moe_gemm needs exactly one of sorted_ids_S (standard) or expert_num_tokens_El (batched)")
     El, No, Ko = b_ENK.shape
+    if fuse_activation is not None:
+        if fuse_activation not in GEMM_FUSABLE_ACTIVATIONS:
+            raise ValueError(f"fuse_activation ({fuse_activation!r}) must be one of "
+                             f"{[a.value for a in GEMM_FUSABLE_ACTIVATIONS]}")
+        if a_scale_mode is not AScale.NONE or b_scale_mode is not BScale.NONE or topk_weights_Tk is not None:
+            raise ValueError("fuse_activation is for the unquantized first GEMM (no scales, no top-k weights)")
+        if No % 2 or c.shape[-1] != No // 2:
+            raise ValueError(f"fuse_activation needs b_ENK.size(1) ({No}) even and c with {No // 2} columns, "
+                             f"got {c.shape[-1]}")
+        No //= 2
     a_k = a.shape[-1]
     if a_k != Ko:
         raise ValueError(f"reduction size of a ({a_k}) must equal b_ENK.size(2) ({Ko})")
@@ -267,6 +295,7 @@ def moe_gemm(
         A_SCALE=a_scale_mode.value, B_SCALE=b_scale_mode.value, GROUP_N=group_n, GROUP_K=group_k,
         MUL_WEIGHT=topk_weights_Tk is not None, EVEN_K=Ko % tile.BLOCK_K == 0,
         DOT_PRECISION="ieee" if is_fp32 else "tf32",
+        FUSE_ACT=fuse_activation is not None, ACTIVATION=_ACT_CODE[fuse_activation or Activation.SILU],
         BLOCK_M=tile.BLOCK_M, BLOCK_N=tile.BLOCK_N, BLOCK_K=tile.BLOCK_K, GROUP_M=tile.GROUP_M,
         num_warps=tile.num_warps, num_stages=tile.num_stages,
     )
