@@ -41,7 +41,6 @@ from __future__ import annotations
 import tests  # noqa: F401  isort: skip
 
 import argparse
-import csv
 import json
 import math
 import os
@@ -58,6 +57,7 @@ import torch
 import torch.distributed as dist
 
 from moe_modular.config import MoEConfig, ParallelConfig
+from tools.benchmark_moe import write_csv
 from moe_modular.interfaces import ActivationFormat
 from moe_modular.prepare_finalize.all_to_all_prepare_and_finalize import AllToAllPrepareAndFinalize
 from moe_modular.prepare_finalize.combine_wire import COMBINE_WIRES, CombineWire, combine_wire
@@ -704,14 +704,6 @@ def merge_cells(cfg: RunConfig, specs: Sequence[PFSpec], per_rank: list[Optional
 
 # ---- outputs ---------------------------------------------------------------------------------------
 
-def write_csv(path: str, rows: list[dict]) -> None:
-    with open(path, "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=CSV_FIELDS, extrasaction="ignore")
-        w.writeheader()
-        for r in rows:
-            w.writerow({k: ("" if r.get(k) is None else r.get(k)) for k in CSV_FIELDS})
-
-
 def _fmt(v, spec: str = ".1f") -> str:
     return "-" if v is None else format(v, spec)
 
@@ -823,7 +815,7 @@ def run(cfg: RunConfig, out_dir: str, specs: Optional[Sequence[PFSpec]] = None, 
             "config": asdict(cfg), "command": command, "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
             "wall_s": time.perf_counter() - t0, "launch_error": launch_error}
     rows = merge_cells(cfg, specs, per_rank, meta["link_GBps"], launch_error)
-    write_csv(os.path.join(out_dir, "benchmark_ep.csv"), rows)
+    write_csv(os.path.join(out_dir, "benchmark_ep.csv"), rows, CSV_FIELDS)
     with open(os.path.join(out_dir, "benchmark_ep.json"), "w") as f:
         json.dump(meta, f, indent=1, default=str)
     note = plot(os.path.join(out_dir, "benchmark_ep.png"), rows, meta)

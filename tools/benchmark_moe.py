@@ -37,7 +37,7 @@ import sys
 import time
 import warnings
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Callable, Optional, Sequence
 
 import torch
 
@@ -546,12 +546,14 @@ def table_text(rows: list[dict], ceil: dict, Ms: list[int]) -> str:
     return "\n".join(lines)
 
 
-def write_csv(path: str, rows: list[dict]) -> None:
+def write_csv(path: str, rows: list[dict], fields: Sequence[str] = ()) -> None:
+    """rows as CSV with the columns `fields` (default CSV_FIELDS); None is written as an empty cell."""
+    fields = list(fields or CSV_FIELDS)
     with open(path, "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=CSV_FIELDS, extrasaction="ignore")
+        w = csv.DictWriter(f, fieldnames=fields, extrasaction="ignore")
         w.writeheader()
         for r in rows:
-            w.writerow({k: ("" if r.get(k) is None else r.get(k)) for k in CSV_FIELDS})
+            w.writerow({k: ("" if r.get(k) is None else r.get(k)) for k in fields})
 
 
 _INT_FIELDS = {"E", "K", "N", "topk", "M", "n_sets"}
