@@ -197,6 +197,32 @@ def test_batched_triton_experts_match_oracle(c: Case):
     assert err <= tolerance(c.dtype, c.quant), f"relative error {err:.3e}"
 
 
+@pytest.mark.parametrize("fuse", [True, False], ids=["fused", "separate"])
+def test_batched_activation_in_the_first_gemm_or_its_own_kernel(fuse: bool, monkeypatch):
+    from moe_modular.kernels import act_and_mul as act_module
+
+    calls = []
+    real = act_module.act_and_mul
+    monkeypatch.setattr(act_module, "act_and_mul", lambda *a, **k: calls.append(1) or real(*a, **k))
+    c = Case(9, 7, 3, activation=Activation.GELU)
+    moe, qp, x, w1, w2, tw, ti, _ = make_inputs(c, seed=21)
+    fe = BatchedTritonExperts(moe, qp, fuse_activation=fuse)
+    pf = BatchedPrepareAndFinalize.make(moe)
+    prepared = pf.prepare(x, tw, ti, c.E, None, False, qp)
+    El, B = prepared.a1q.shape[:2]
+    ws13, ws2, out = _poisoned_workspaces(fe, B, w1.shape[1], c.K, c.topk, c.E, El, prepared.expert_tokens_meta)
+    fe.apply(out, prepared.a1q, w1, w2, tw, ti, c.activation, c.E, None, None, None, ws13, ws2,
+             prepared.expert_tokens_meta, False)
+    assert len(calls) == (0 if fuse else 1)
+    counts = prepared.expert_tokens_meta.expert_num_tokens.cpu()
+    for e in range(El):
+        assert out[e, int(counts[e]):].isnan().all(), f"expert {e}: a slot past its count was written"
+    final = torch.empty_like(x)
+    pf.finalize(final, out, tw, ti, False, fe.finalize_weight_and_reduce_impl())
+    ref = _reference(c, qp, x, w1, w2, tw, ti, None)
+    assert ((final.float() - ref).norm() / ref.norm()).item() <= tolerance(c.dtype, c.quant)
+
+
 def test_triton_experts_chunked_through_the_modular_kernel():
     # M=11 tokens in chunks of 4 (the last one partial), fp8 per-token so the per-row scales are
     # sliced per chunk; the chunks share the workspaces sized for the first one.

@@ -20,6 +20,8 @@ from moe_modular.experts.triton_common import (
     WorkspaceLayout,
     bytes_to_numel,
     check_device,
+    fused_gemm1_tile,
+    fuses_activation,
     h1_dtype,
     intermediate_regions,
     overlapping_view,
@@ -36,14 +38,17 @@ class BatchedTritonExperts(FusedMoEExpertsModular):
     swiglu-oai. Takes slots already grouped per local expert, so expert maps were applied by the
     PF. Writes unweighted (El, Bt, K) slot outputs; the PF picks the reduction (Delegate).
 
-    Extra keyword: tile_table (a TileConfigTable) or tile_config (fixed tiles), as TritonExperts.
+    Extra keywords: tile_table (a TileConfigTable) or tile_config (fixed tiles), and
+    fuse_activation (the activation in the first GEMM's epilogue), as TritonExperts.
     """
 
     def __init__(self, moe: MoEConfig, quant: MoEQuantParams, max_num_tokens: Optional[int] = None,
-                 num_dispatchers: int = 1, *, tile_table=None, tile_config=None) -> None:
+                 num_dispatchers: int = 1, *, tile_table=None, tile_config=None,
+                 fuse_activation: bool = True) -> None:
         super().__init__(moe, quant, max_num_tokens=max_num_tokens, num_dispatchers=num_dispatchers)
         self.modes = scheme_modes(moe.quant)
         self.tiles = TileSelector(moe, tile_table, tile_config)
+        self.fuse_activation = fuse_activation
         self._layouts = BoundedMemo()
 
     @classmethod
@@ -123,13 +128,17 @@ class BatchedTritonExperts(FusedMoEExpertsModular):
         if a1_mode is AScale.TENSOR and a1q_scale is not None and a1q_scale.numel() != 1:
             raise ValueError(f"a1q_scale ({tuple(a1q_scale.shape)}) must be (1,) for {q.config.name}")
 
-        moe_gemm(hidden_states, w1, h1, cfg.gemm1, a_scale=a1q_scale, a_scale_mode=a1_mode, b_scale=q.w1_scale,
-                 b_scale_mode=modes.w, group_shape=group, expert_num_tokens_El=counts)
         inter = buf["intermediate"]
         inter_scale = buf.get("intermediate_scale", a2_scale)
-        act_and_mul(h1.view(El * B, N2), activation, inter, quant=modes.intermediate, scale=inter_scale,
-                    amax_El=buf.get("amax"), group_size=group[1] if q.config.is_block else 128,
-                    row_mode=RowMode.BATCHED, num_local_experts=El, expert_num_tokens_El=counts, slots=B)
+        if fuses_activation(self.fuse_activation, q.config, activation):
+            moe_gemm(hidden_states, w1, inter.view(El, B, Ni), fused_gemm1_tile(cfg.gemm1),
+                     expert_num_tokens_El=counts, fuse_activation=activation)
+        else:
+            moe_gemm(hidden_states, w1, h1, cfg.gemm1, a_scale=a1q_scale, a_scale_mode=a1_mode, b_scale=q.w1_scale,
+                     b_scale_mode=modes.w, group_shape=group, expert_num_tokens_El=counts)
+            act_and_mul(h1.view(El * B, N2), activation, inter, quant=modes.intermediate, scale=inter_scale,
+                        amax_El=buf.get("amax"), group_size=group[1] if q.config.is_block else 128,
+                        row_mode=RowMode.BATCHED, num_local_experts=El, expert_num_tokens_El=counts, slots=B)
         if inter_scale is not None and inter_scale.dim() == 2:
             inter_scale = inter_scale.view(El, B, inter_scale.shape[1])
         moe_gemm(inter.view(El, B, Ni), w2, output, cfg.gemm2, a_scale=inter_scale, a_scale_mode=modes.a2,

@@ -7,7 +7,7 @@ Shape legend: R rows of the intermediate (routes T*k, or El*Bt batched slots), N
 from __future__ import annotations
 
 import importlib.util
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Optional
 
 import torch
@@ -19,7 +19,7 @@ try:
     import triton  # noqa: F401  (availability check)
 
     from moe_modular.kernels.act_and_mul import IntermediateQuant
-    from moe_modular.kernels.moe_gemm import AScale, BScale, _moe_gemm_kernel
+    from moe_modular.kernels.moe_gemm import AScale, BScale, GemmTile, _moe_gemm_kernel
     from moe_modular.tile_config import TileConfig, TileConfigTable, device_name
     TRITON_IMPORT_ERROR: Optional[str] = None
 except ImportError as exc:  # supports() reports it; nothing else runs without triton
@@ -168,6 +168,20 @@ class WorkspaceLayout:
                 n *= s
             out[name] = raw[off: off + n * item].view(dtype).view(shape)
         return out
+
+
+def fuses_activation(enabled: bool, q: QuantConfig, activation: Activation) -> bool:
+    """Whether the first GEMM applies the activation in its epilogue: unquantized SiLU / GELU (fp8
+    schemes re-quantize the intermediate, which act_and_mul does)."""
+    from moe_modular.kernels.act_and_mul import GEMM_FUSABLE_ACTIVATIONS
+
+    return enabled and not q.is_quantized and activation in GEMM_FUSABLE_ACTIVATIONS
+
+
+def fused_gemm1_tile(tile: "GemmTile") -> "GemmTile":
+    """The tables' BLOCK_N counts w1 rows; fused, each program reads BLOCK_N gate + BLOCK_N up rows,
+    so the same w1 rows per program is half the output columns."""
+    return replace(tile, BLOCK_N=max(16, tile.BLOCK_N // 2))
 
 
 def h1_dtype(moe: MoEConfig) -> torch.dtype:

@@ -15,7 +15,6 @@ capturable):
 """
 from __future__ import annotations
 
-from dataclasses import replace
 from typing import Optional
 
 import torch
@@ -28,6 +27,8 @@ from moe_modular.experts.triton_common import (
     WorkspaceLayout,
     bytes_to_numel,
     check_device,
+    fused_gemm1_tile,
+    fuses_activation,
     h1_dtype,
     intermediate_regions,
     overlapping_view,
@@ -130,7 +131,7 @@ class TritonExperts(FusedMoEExpertsModular):
         (T, G)) or the activation dtype; w1 (El, N2, K), w2 (El, K, Ni); topk_weights (T, k) float32;
         topk_ids (T, k) int: global ids mapped by expert_map (E,) int32, or local ids (-1 or any id
         outside [0, El) = not held here) when expert_map is None; a2_scale (1,) for static schemes."""
-        from moe_modular.kernels.act_and_mul import GEMM_FUSABLE_ACTIVATIONS, RowMode, act_and_mul
+        from moe_modular.kernels.act_and_mul import RowMode, act_and_mul
         from moe_modular.kernels.moe_align import moe_align
         from moe_modular.kernels.moe_gemm import moe_gemm
         from moe_modular.kernels.moe_sum import moe_sum
@@ -158,11 +159,9 @@ class TritonExperts(FusedMoEExpertsModular):
         align = dict(sorted_ids_S=sorted_ids, block_expert_Mb=block_expert, num_post_padded=num_post_padded,
                      num_routes=R)
         inter_scale = buf.get("intermediate_scale", a2_scale)
-        if self.fuse_activation and not q.config.is_quantized and activation in GEMM_FUSABLE_ACTIVATIONS:
-            # the tile's BLOCK_N counted w1 rows; fused, each program reads BLOCK_N gate + BLOCK_N up rows
-            tile1 = replace(cfg.gemm1, BLOCK_N=max(16, cfg.gemm1.BLOCK_N // 2))
-            moe_gemm(hidden_states, w1, buf["intermediate"], tile1, a_row_div=topk, fuse_activation=activation,
-                     **align)
+        if fuses_activation(self.fuse_activation, q.config, activation):
+            moe_gemm(hidden_states, w1, buf["intermediate"], fused_gemm1_tile(cfg.gemm1), a_row_div=topk,
+                     fuse_activation=activation, **align)
         else:
             moe_gemm(hidden_states, w1, h1, cfg.gemm1, a_scale=a1q_scale, a_scale_mode=modes.a1,
                      b_scale=q.w1_scale, b_scale_mode=modes.w, group_shape=group, a_row_div=topk, **align)
