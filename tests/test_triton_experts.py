@@ -223,6 +223,21 @@ def test_batched_activation_in_the_first_gemm_or_its_own_kernel(fuse: bool, monk
     assert ((final.float() - ref).norm() / ref.norm()).item() <= tolerance(c.dtype, c.quant)
 
 
+def test_fused_sizing_refuses_an_activation_it_cannot_fuse():
+    # The workspaces are sized for MoEConfig.activation: fused SiLU stores no h1, so a call with
+    # swiglu-oai (not fusable) must fail naming both, not write past the workspace. h1 (2N = 144
+    # columns) is wider than y (K = 64), so it decides the separate kernel's workspace13.
+    c = Case(4, 5, 2, K=64)
+    moe, qp, x, w1, w2, tw, ti, _ = make_inputs(c, seed=3)
+    fe = TritonExperts(moe, qp)
+    ws13, ws2, out = _poisoned_workspaces(fe, c.T, w1.shape[1], c.K, c.topk, c.E, w1.shape[0])
+    sized_separate = TritonExperts(moe, qp, fuse_activation=False).workspace_shapes(
+        c.T, w1.shape[1], c.K, c.topk, c.E, w1.shape[0], None)[0]
+    assert ws13.numel() < sized_separate[0], "fused sizing should leave h1 out of workspace13"
+    with pytest.raises(ValueError, match=r"activation \(swigluoai\).*MoEConfig.activation \(silu\)"):
+        fe.apply(out, x, w1, w2, tw, ti, Activation.SWIGLU_OAI, c.E, None, None, None, ws13, ws2, None, False)
+
+
 def test_triton_experts_chunked_through_the_modular_kernel():
     # M=11 tokens in chunks of 4 (the last one partial), fp8 per-token so the per-row scales are
     # sliced per chunk; the chunks share the workspaces sized for the first one.

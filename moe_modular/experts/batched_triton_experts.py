@@ -23,8 +23,8 @@ from moe_modular.experts.triton_common import (
     fused_gemm1_tile,
     fuses_activation,
     h1_dtype,
+    h1_view,
     intermediate_regions,
-    overlapping_view,
     scheme_modes,
     triton_supports,
 )
@@ -70,13 +70,16 @@ class BatchedTritonExperts(FusedMoEExpertsModular):
 
     def _make_layout(self, B: int, N2: int, K: int, El: int) -> tuple[int, WorkspaceLayout]:
         rows = El * B
-        h1_bytes = rows * N2 * torch.empty((), dtype=h1_dtype(self.moe)).element_size()
+        h1_bytes = 0 if self._fused(self.moe.activation) else rows * N2 * h1_dtype(self.moe).itemsize
         return bytes_to_numel(h1_bytes, self.moe.dtype), intermediate_regions(
             WorkspaceLayout(), rows, N2 // 2, El, self.moe)
 
+    def _fused(self, activation: Activation) -> bool:
+        return fuses_activation(self.fuse_activation, self.moe.quant, activation)
+
     def workspace_shapes(self, M, N, K, topk, global_num_experts, local_num_experts, expert_tokens_meta):
-        """M is Bt. workspace13 holds h1 (El, Bt, N2); workspace2 the intermediate and its scales.
-        Output (El, Bt, K) unweighted."""
+        """M is Bt. workspace13 holds h1 (El, Bt, N2) (nothing when the first GEMM applies the
+        activation); workspace2 the intermediate and its scales. Output (El, Bt, K) unweighted."""
         ws13, ws2 = self._layout(M, N, K, local_num_experts)
         return (ws13,), (ws2.numel(self.moe.dtype),), (local_num_experts, M, K), self.moe.dtype
 
@@ -122,7 +125,6 @@ class BatchedTritonExperts(FusedMoEExpertsModular):
         group = q.config.block_shape if q.config.is_block else (1, 1)
         cfg = self.tiles(B, El, Ni, K, self.moe.topk, hidden_states.device)
         _, layout = self._layout(B, N2, K, El)
-        h1 = overlapping_view(workspace13, (El, B, N2), h1_dtype(self.moe))
         buf = layout.carve(workspace2)
         a1_mode = modes.a1
         if a1_mode is AScale.TENSOR and a1q_scale is not None and a1q_scale.numel() != 1:
@@ -130,10 +132,11 @@ class BatchedTritonExperts(FusedMoEExpertsModular):
 
         inter = buf["intermediate"]
         inter_scale = buf.get("intermediate_scale", a2_scale)
-        if fuses_activation(self.fuse_activation, q.config, activation):
+        if self._fused(activation):
             moe_gemm(hidden_states, w1, inter.view(El, B, Ni), fused_gemm1_tile(cfg.gemm1),
                      expert_num_tokens_El=counts, fuse_activation=activation)
         else:
+            h1 = h1_view(workspace13, (El, B, N2), self.moe, self._fused(self.moe.activation), activation)
             moe_gemm(hidden_states, w1, h1, cfg.gemm1, a_scale=a1q_scale, a_scale_mode=a1_mode, b_scale=q.w1_scale,
                      b_scale_mode=modes.w, group_shape=group, expert_num_tokens_El=counts)
             act_and_mul(h1.view(El * B, N2), activation, inter, quant=modes.intermediate, scale=inter_scale,

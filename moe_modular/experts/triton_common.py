@@ -184,6 +184,18 @@ def fused_gemm1_tile(tile: "GemmTile") -> "GemmTile":
     return replace(tile, BLOCK_N=max(16, tile.BLOCK_N // 2))
 
 
+def h1_view(workspace13: torch.Tensor, shape: tuple[int, ...], moe: MoEConfig, sized_fused: bool,
+            activation: Activation) -> torch.Tensor:
+    """The first GEMM's output h1 over workspace13, which holds none when workspace_shapes sized it
+    for the fused first GEMM of moe.activation (sized_fused) and this call's activation is not fused."""
+    if sized_fused:
+        raise ValueError(
+            f"activation ({activation.value}) cannot run in the first GEMM's epilogue, and the workspaces were "
+            f"sized for MoEConfig.activation ({moe.activation.value}), which does; build the experts with "
+            f"activation={activation.value} or fuse_activation=False")
+    return overlapping_view(workspace13, shape, h1_dtype(moe))
+
+
 def h1_dtype(moe: MoEConfig) -> torch.dtype:
     """The first GEMM's output dtype: float32 before an fp8 re-quantization (rounding it to 16 bits
     first would move values across fp8 rounding boundaries), else the activation dtype."""

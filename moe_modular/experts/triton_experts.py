@@ -30,6 +30,7 @@ from moe_modular.experts.triton_common import (
     fused_gemm1_tile,
     fuses_activation,
     h1_dtype,
+    h1_view,
     intermediate_regions,
     overlapping_view,
     scheme_modes,
@@ -94,15 +95,19 @@ class TritonExperts(FusedMoEExpertsModular):
 
     def _make_layout(self, M: int, N2: int, K: int, topk: int, El: int) -> tuple[int, WorkspaceLayout]:
         R = M * topk
-        h1_bytes = R * N2 * torch.empty((), dtype=h1_dtype(self.moe)).element_size()
+        h1_bytes = 0 if self._fused(self.moe.activation) else R * N2 * h1_dtype(self.moe).itemsize
         y_bytes = R * K * self.moe.dtype.itemsize
         ws13_numel = bytes_to_numel(max(h1_bytes, y_bytes), self.moe.dtype)
         ws2 = intermediate_regions(WorkspaceLayout(), R, N2 // 2, El, self.moe)
         return ws13_numel, _align_regions(ws2, R, El)
 
+    def _fused(self, activation: Activation) -> bool:
+        return fuses_activation(self.fuse_activation, self.moe.quant, activation)
+
     def workspace_shapes(self, M, N, K, topk, global_num_experts, local_num_experts, expert_tokens_meta):
-        """workspace13 holds h1 (R, N2) (float32 for fp8 schemes) then y (R, K); workspace2 the intermediate, its scales and
-        the alignment buffers. Output (M, K), already weighted and reduced."""
+        """workspace13 holds h1 (R, N2) (float32 for fp8 schemes; not stored when the first GEMM applies
+        the activation) then y (R, K); workspace2 the intermediate, its scales and the alignment
+        buffers. Output (M, K), already weighted and reduced."""
         ws13, ws2 = self._layout(M, N, K, topk, local_num_experts)
         return (ws13,), (ws2.numel(self.moe.dtype),), (M, K), self.moe.dtype
 
@@ -149,7 +154,6 @@ class TritonExperts(FusedMoEExpertsModular):
         group = q.config.block_shape if q.config.is_block else (1, 1)
         cfg = self.tiles(T, El, Ni, K, topk, hidden_states.device)
         _, layout = self._layout(T, N2, K, topk, El)
-        h1 = overlapping_view(workspace13, (R, N2), h1_dtype(self.moe))
         y = overlapping_view(workspace13, (R, K), output.dtype)
         buf = layout.carve(workspace2)
         if not topk_ids.is_contiguous():
@@ -159,10 +163,11 @@ class TritonExperts(FusedMoEExpertsModular):
         align = dict(sorted_ids_S=sorted_ids, block_expert_Mb=block_expert, num_post_padded=num_post_padded,
                      num_routes=R)
         inter_scale = buf.get("intermediate_scale", a2_scale)
-        if fuses_activation(self.fuse_activation, q.config, activation):
+        if self._fused(activation):
             moe_gemm(hidden_states, w1, buf["intermediate"], fused_gemm1_tile(cfg.gemm1), a_row_div=topk,
                      fuse_activation=activation, **align)
         else:
+            h1 = h1_view(workspace13, (R, N2), self.moe, self._fused(self.moe.activation), activation)
             moe_gemm(hidden_states, w1, h1, cfg.gemm1, a_scale=a1q_scale, a_scale_mode=modes.a1,
                      b_scale=q.w1_scale, b_scale_mode=modes.w, group_shape=group, a_row_div=topk, **align)
             act_and_mul(h1, activation, buf["intermediate"], quant=modes.intermediate, scale=inter_scale,
