@@ -106,6 +106,7 @@ def quantize_fp8(
     dev = x_TK.device
     out = torch.empty((T, K), dtype=FP8_DTYPE, device=dev)
     amax = x_TK  # unused pointer unless DYNAMIC
+    block_k = min(next_pow2(K), 1024 if x_TK.is_cuda else 128)  # columns per step of a row sweep
     if scaling is Fp8Scaling.GROUP:
         if group_size < 16 or group_size & (group_size - 1):
             raise ValueError(f"group_size ({group_size}) must be a power of two >= 16")
@@ -113,16 +114,13 @@ def quantize_fp8(
         block_k = group_size
     elif scaling is Fp8Scaling.TOKEN:
         scale = torch.empty((T, 1), dtype=torch.float32, device=dev)
-        block_k = min(next_pow2(K), 1024 if x_TK.is_cuda else 128)
     elif scaling is Fp8Scaling.STATIC:
         if static_scale is None or static_scale.numel() != 1:
             raise ValueError("quantize_fp8 with static scaling needs static_scale with one element")
         scale = static_scale.to(device=dev, dtype=torch.float32).reshape(1)
-        block_k = min(next_pow2(K), 1024 if x_TK.is_cuda else 128)
     else:
         scale = torch.ones(1, dtype=torch.float32, device=dev)
         amax = torch.zeros(1, dtype=torch.float32, device=dev)
-        block_k = min(next_pow2(K), 1024 if x_TK.is_cuda else 128)
     if T == 0 or K == 0:
         return out, scale
     if scaling is Fp8Scaling.GROUP:  # a program per (row block, group): every SM busy at small T
