@@ -293,7 +293,8 @@ def test_supports_names_the_block_shape_it_cannot_serve(cls):
 def test_tile_table_round_trip_and_nearest_bucket(tmp_path):
     key = TileKey(8, 96, 192, "bfloat16", "unquantized", "cpu")
     small, big = GemmTile(16, 64, 128, 1, 4, 2), GemmTile(64, 128, 64, 8, 4, 3)
-    buckets = {1: TileConfig(small, small), 256: TileConfig(big, replace(big, BLOCK_N=64))}
+    # 256: the second GEMM narrower and its weights through pointers while the first uses TMA
+    buckets = {1: TileConfig(small, small), 256: TileConfig(replace(big, b_tma=1), replace(big, BLOCK_N=64))}
     (tmp_path / TileConfigTable.file_name(key)).write_text(TileConfigTable.to_yaml(key, buckets, "a test table"))
     table = TileConfigTable.load(str(tmp_path))
     assert table.tables == {key: buckets}
@@ -312,6 +313,9 @@ def test_tile_table_round_trip_and_nearest_bucket(tmp_path):
       "tiles": {1: {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 64, "gemm2": {"BLOCK_M": 32}}}}, "may not override"),
     ({"E": 8, "N": 1, "K": 1, "dtype": "bfloat16", "quant": "unquantized", "device": "cpu",
       "tiles": {1: {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 64, "warps": 4}}}, r"unknown fields \['warps'\]"),
+    ({"E": 8, "N": 1, "K": 1, "dtype": "bfloat16", "quant": "unquantized", "device": "cpu",
+      "tiles": {1: {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 64, "gemm2": {"b_tma": 2}}}},
+     r"gemm2.b_tma \(2\) must be 0 or 1"),
 ])
 def test_tile_table_errors_name_the_field(doc, message):
     with pytest.raises(ValueError, match=message):

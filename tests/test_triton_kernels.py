@@ -115,14 +115,19 @@ _MODES = {"unquantized": (AScale.NONE, BScale.NONE), "fp8-tensor": (AScale.TENSO
           "fp8-token": (AScale.ROW, BScale.CHANNEL)}
 
 
+# b_tma: weight tiles through a tensor descriptor (TMA on Hopper; the interpreter emulates it) or pointers
+B_TMA = pytest.mark.parametrize("b_tma", [0, 1], ids=["b-ptr", "b-tma"])
+
+
+@B_TMA
 @pytest.mark.parametrize("dtype,qc", GEMM_SCHEMES, ids=lambda v: getattr(v, "name", str(v)))
-def test_moe_gemm_standard_matches_oracle(dtype, qc):
+def test_moe_gemm_standard_matches_oracle(dtype, qc, b_tma):
     # T=5 tokens, k=2, E=3 experts, K=80 (not a multiple of BLOCK_K=32/64), No=48 (not a multiple of BLOCK_N)
     T, k, E, K, No = 5, 2, 3, 80, 48
     xq, xs, wq, ws = _gemm_inputs(T, K, E, No, dtype, qc, seed=3)
     ids = torch.randint(0, E, (T, k), generator=_gen(4), dtype=torch.int32)
     topk_w = torch.rand(T, k, generator=_gen(5))
-    tile = GemmTile(16, 32, 32 if qc.is_block else 64, 1, 4, 2)
+    tile = GemmTile(16, 32, 32 if qc.is_block else 64, 1, 4, 2, b_tma)
     sorted_ids, block_expert, npp = moe_align(ids.to(DEVICE), tile.BLOCK_M, E)
     c = torch.full((T * k, No), float("nan"), dtype=dtype, device=DEVICE)
     a_mode, b_mode = _MODES.get(qc.name, (AScale.GROUP, BScale.BLOCK))
@@ -139,9 +144,10 @@ def test_moe_gemm_standard_matches_oracle(dtype, qc):
         assert _rel(c[r].cpu(), ref[0]) <= tol, f"route {r}"
 
 
+@B_TMA
 @pytest.mark.parametrize("dtype,qc", [GEMM_SCHEMES[0], GEMM_SCHEMES[3], GEMM_SCHEMES[4]],
                          ids=lambda v: getattr(v, "name", str(v)))
-def test_moe_gemm_batched_matches_oracle_and_leaves_unused_slots(dtype, qc):
+def test_moe_gemm_batched_matches_oracle_and_leaves_unused_slots(dtype, qc, b_tma):
     # El=3 experts with counts (0, 5, 17): an empty expert and one spanning two 16-row blocks
     El, B, K, No = 3, 17, 80, 40
     counts = torch.tensor([0, 5, 17], dtype=torch.int32)
@@ -149,7 +155,7 @@ def test_moe_gemm_batched_matches_oracle_and_leaves_unused_slots(dtype, qc):
     a = xq.view(El, B, K)
     a_scale = None if xs is None else xs.view(El, B, -1)
     c = torch.full((El, B, No), float("nan"), dtype=dtype, device=DEVICE)
-    tile = GemmTile(16, 32, 32 if qc.is_block else 64, 1, 4, 2)
+    tile = GemmTile(16, 32, 32 if qc.is_block else 64, 1, 4, 2, b_tma)
     a_mode, b_mode = _MODES.get(qc.name, (AScale.GROUP, BScale.BLOCK))
     moe_gemm(a.to(DEVICE), wq.to(DEVICE), c, tile, a_scale=None if a_scale is None else a_scale.to(DEVICE),
              a_scale_mode=a_mode, b_scale=None if ws is None else ws.to(DEVICE), b_scale_mode=b_mode,
@@ -254,8 +260,9 @@ def test_moe_sum_ignores_routes_not_held(T, k, K, kind):
     assert _rel(out.cpu(), ref) <= torch.finfo(torch.bfloat16).eps
 
 
+@B_TMA
 @pytest.mark.parametrize("activation", [Activation.SILU, Activation.GELU], ids=lambda a: a.value)
-def test_moe_gemm_fused_activation_matches_oracle(activation):
+def test_moe_gemm_fused_activation_matches_oracle(activation, b_tma):
     # First GEMM with act(gate) * up in the epilogue: c (R, N) from b (El, 2N, K); rows grouped by
     # moe_align; the rows of unheld routes (id -1) are not written (NaN stays).
     T, k, El, K, N = 5, 2, 3, 96, 40
@@ -264,7 +271,7 @@ def test_moe_gemm_fused_activation_matches_oracle(activation):
     b = (torch.randn(El, 2 * N, K, generator=g) / K ** 0.5).to(torch.bfloat16)
     ids = torch.randint(0, El, (T, k), generator=g, dtype=torch.int32)
     ids[0, 1] = -1
-    tile = GemmTile(16, 32, 32, 1, 4, 2)
+    tile = GemmTile(16, 32, 32, 1, 4, 2, b_tma)
     sorted_ids, block_expert, num_pp = moe_align(ids.to(DEVICE), tile.BLOCK_M, El, None)
     c = torch.full((T * k, N), float("nan"), dtype=torch.bfloat16, device=DEVICE)
     moe_gemm(x.to(DEVICE), b.to(DEVICE), c, tile, sorted_ids_S=sorted_ids, block_expert_Mb=block_expert,

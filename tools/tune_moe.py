@@ -49,7 +49,7 @@ from tools.benchmark_moe import (
 # decode (narrow BLOCK_M, deep BLOCK_K) and prefill (128-row tiles, grouped order) regimes.
 FULL_SPACE = dict(BLOCK_M=(16, 32, 64, 128), BLOCK_N=(32, 64, 128, 256), BLOCK_K=(64, 128, 256),
                   GROUP_M=(1, 8), num_warps=(4, 8), num_stages=(2, 3, 4, 5))
-SMALL_SPACE = [  # (BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, num_warps, num_stages)
+SMALL_SPACE = [  # (BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, num_warps, num_stages); candidates() appends b_tma
     # decode: one or two tokens per expert, the weights stream through
     (16, 32, 128, 1, 4, 4), (16, 32, 256, 1, 4, 3), (16, 64, 128, 1, 4, 4), (16, 64, 256, 1, 4, 3),
     (16, 64, 256, 1, 4, 4), (16, 128, 128, 1, 4, 3), (16, 128, 256, 1, 8, 3),
@@ -74,7 +74,7 @@ def _tile(t: tuple):
 
 
 def _fits(t, elt_bytes: int, per_expert: float, block_k_limit: Optional[int]) -> bool:
-    bm, bn, bk, gm, warps, stages = t
+    bm, bn, bk, gm, warps, stages = t[:6]
     if stages * (bm * bk + bk * bn) * elt_bytes > SMEM_BYTES:
         return False
     if bm * bn / (warps * 32) > MAX_ACC_PER_THREAD:
@@ -91,8 +91,8 @@ def _fits(t, elt_bytes: int, per_expert: float, block_k_limit: Optional[int]) ->
 
 
 def candidates(space: str, elt_bytes: int, per_expert: float, block_k_limit: Optional[int],
-               max_configs: Optional[int], seed: int) -> list[tuple]:
-    """Stage-1 tiles (shared by both GEMMs) as tuples in GemmTile field order."""
+               max_configs: Optional[int], seed: int, b_tma: tuple[int, ...] = (0,)) -> list[tuple]:
+    """Stage-1 tiles (shared by both GEMMs) as tuples in GemmTile field order, each once per b_tma value."""
     if space == "smoke":
         pool = list(SMOKE_SPACE)
     elif space == "small":
@@ -102,7 +102,7 @@ def candidates(space: str, elt_bytes: int, per_expert: float, block_k_limit: Opt
     pool = [t for t in pool if _fits(t, elt_bytes, per_expert, block_k_limit)] if space != "smoke" else pool
     if max_configs is not None and len(pool) > max_configs:
         pool = random.Random(seed).sample(pool, max_configs)
-    return pool
+    return [t + (tma,) for tma in b_tma for t in pool]
 
 
 def gemm2_candidates(best: tuple, pool: list[tuple], tried: tuple = (),
@@ -158,6 +158,8 @@ def parse_args(argv=None):
     p.add_argument("--quant", nargs="+", default=["bf16"], help=f"of {list(QUANTS)}")
     p.add_argument("--space", choices=("small", "full"), default="small")
     p.add_argument("--max-configs", type=int, help="sample at most this many stage-1 tiles per bucket")
+    p.add_argument("--b-tma", choices=("off", "on", "both"), default="both",
+                   help="weight tiles through pointers (off), tensor descriptors / TMA (on), or each tile both ways")
     p.add_argument("--no-gemm2", dest="gemm2", action="store_false", help="skip stage 2 (gemm2 overrides)")
     p.add_argument("--no-incumbent", dest="incumbent", action="store_false",
                    help="do not time the tiles TritonExperts picks today as a stage-1 candidate")
@@ -178,8 +180,9 @@ def parse_args(argv=None):
         if q not in QUANTS:
             p.error(f"--quant ({q!r}) must be one of {list(QUANTS)}")
     args.ms = args.ms or ([8] if args.smoke else BENCH_MS)
+    args.b_tma = {"off": (0,), "on": (1,), "both": (0, 1)}[args.b_tma]
     if args.smoke:
-        args.space, args.gemm2, args.rep_ms = "smoke", False, 1.0
+        args.space, args.gemm2, args.rep_ms, args.b_tma = "smoke", False, 1.0, (0,)
     return args, shapes
 
 
@@ -211,7 +214,8 @@ def main(argv=None) -> int:
             limit = qc.block_shape[1] if qc.is_block else None
             plans = []
             for M in args.ms:
-                pool = candidates(args.space, elt, M * shape.topk / shape.E, limit, args.max_configs, args.seed + M)
+                pool = candidates(args.space, elt, M * shape.topk / shape.E, limit, args.max_configs, args.seed + M,
+                                  args.b_tma)
                 plans.append((M, pool))
 
             def per_bucket(pool: list) -> int:

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import torch
 import triton
@@ -28,6 +28,9 @@ import triton.language as tl
 from moe_modular.config import Activation
 from moe_modular.kernels.act_and_mul import _ACT_CODE, GEMM_FUSABLE_ACTIVATIONS, gated_act
 from moe_modular.kernels.host import cdiv
+
+if TYPE_CHECKING:
+    from triton.tools.tensor_descriptor import TensorDescriptor
 
 # Scale-mode codes as the kernel sees them (compile-time constants).
 A_NONE: tl.constexpr = tl.constexpr(0)
@@ -70,6 +73,7 @@ class GemmTile:
     GROUP_M: int = 1
     num_warps: int = 4
     num_stages: int = 3
+    b_tma: int = 0  # 1: B tiles arrive through a tensor descriptor (TMA on Hopper) instead of pointers
 
 
 @triton.jit
@@ -87,7 +91,7 @@ def _moe_gemm_kernel(
     A_ROW_DIV: tl.constexpr, BATCHED: tl.constexpr,
     A_SCALE: tl.constexpr, B_SCALE: tl.constexpr, GROUP_N: tl.constexpr, GROUP_K: tl.constexpr,
     MUL_WEIGHT: tl.constexpr, EVEN_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    FUSE_ACT: tl.constexpr, ACTIVATION: tl.constexpr,
+    FUSE_ACT: tl.constexpr, ACTIVATION: tl.constexpr, B_TMA: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
     # Tile order: GROUP_M row blocks share each column sweep (B tiles stay in L2).
@@ -127,7 +131,8 @@ def _moe_gemm_kernel(
     offs_bn = offs_n % N  # wrap instead of masking the B loads; the columns past N are not stored
     offs_k = tl.arange(0, BLOCK_K)
     a_ptrs = a_ptr + a_e * stride_ae + a_row[:, None] * stride_am + offs_k[None, :] * stride_ak
-    b_ptrs = b_ptr + e64 * stride_be + offs_bn[None, :].to(tl.int64) * stride_bn + offs_k[:, None] * stride_bk
+    if not B_TMA:
+        b_ptrs = b_ptr + e64 * stride_be + offs_bn[None, :].to(tl.int64) * stride_bn + offs_k[:, None] * stride_bk
     as_row = a_scale_ptr + a_e * stride_ase + a_row * stride_asm
     bs_col = b_scale_ptr + e64 * stride_bse + (offs_bn // GROUP_N) * stride_bsn
 
@@ -138,12 +143,18 @@ def _moe_gemm_kernel(
     for kt in range(0, tl.cdiv(K, BLOCK_K)):
         if EVEN_K:
             a = tl.load(a_ptrs, mask=row_mask[:, None], other=0.0)
+        else:
+            a = tl.load(a_ptrs, mask=row_mask[:, None] & (offs_k[None, :] < K - kt * BLOCK_K), other=0.0)
+        if B_TMA:  # (1, BLOCK_N, BLOCK_K) boxes of b (El, No, Ko): rows past No and columns past Ko read 0
+            b = b_ptr.load([expert, pid_n * BLOCK_N, kt * BLOCK_K]).reshape(BLOCK_N, BLOCK_K).T
+            if FUSE_ACT:
+                b_up = b_ptr.load([expert, N + pid_n * BLOCK_N, kt * BLOCK_K]).reshape(BLOCK_N, BLOCK_K).T
+        elif EVEN_K:
             b = tl.load(b_ptrs)
             if FUSE_ACT:
                 b_up = tl.load(b_ptrs + up_off)
         else:
             k_left = K - kt * BLOCK_K
-            a = tl.load(a_ptrs, mask=row_mask[:, None] & (offs_k[None, :] < k_left), other=0.0)
             b = tl.load(b_ptrs, mask=offs_k[:, None] < k_left, other=0.0)
             if FUSE_ACT:
                 b_up = tl.load(b_ptrs + up_off, mask=offs_k[:, None] < k_left, other=0.0)
@@ -157,7 +168,8 @@ def _moe_gemm_kernel(
         else:
             acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
         a_ptrs += BLOCK_K * stride_ak
-        b_ptrs += BLOCK_K * stride_bk
+        if not B_TMA:
+            b_ptrs += BLOCK_K * stride_bk
 
     if A_SCALE == A_TENSOR:
         acc = acc * tl.load(a_scale_ptr)
@@ -185,6 +197,21 @@ def _strides(t: Optional[torch.Tensor], n: int) -> tuple[int, ...]:
         return (0,) * n
     s = tuple(t.stride())
     return (0,) * (n - len(s)) + s
+
+
+def _b_descriptor(b_ENK: torch.Tensor, tile: GemmTile) -> Optional["TensorDescriptor"]:
+    """A (1, BLOCK_N, BLOCK_K) tensor descriptor over b_ENK, or None where TMA cannot address it (the
+    kernel then loads B through pointers: same values, no TMA): a GPU before Hopper, or a layout whose
+    last stride is not 1 or whose base / other strides are not 16-byte aligned."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    if b_ENK.device.type == "cuda" and torch.cuda.get_device_capability(b_ENK.device)[0] < 9:
+        return None
+    item = b_ENK.element_size()
+    se, sn, sk = b_ENK.stride()
+    if sk != 1 or (se * item) % 16 or (sn * item) % 16 or b_ENK.data_ptr() % 16:
+        return None
+    return TensorDescriptor(b_ENK, list(b_ENK.shape), [se, sn, sk], [1, tile.BLOCK_N, tile.BLOCK_K])
 
 
 def _a_scale_strides(scale: Optional[torch.Tensor], mode: AScale, batched: bool) -> tuple[int, int, int]:
@@ -274,8 +301,9 @@ def moe_gemm(
     topk = topk_weights_Tk.shape[1] if topk_weights_Tk is not None else 1
     sw = topk_weights_Tk.stride() if topk_weights_Tk is not None else (0, 0)
     is_fp32 = a.dtype == torch.float32 and b_ENK.dtype == torch.float32
+    b_arg = _b_descriptor(b_ENK, tile) if tile.b_tma else None
     _moe_gemm_kernel[grid](
-        a, b_ENK, c,
+        a, b_arg if b_arg is not None else b_ENK, c,
         a_scale if a_scale is not None else dummy,
         b_scale if b_scale is not None else dummy,
         topk_weights_Tk if topk_weights_Tk is not None else dummy,
@@ -296,6 +324,7 @@ def moe_gemm(
         MUL_WEIGHT=topk_weights_Tk is not None, EVEN_K=Ko % tile.BLOCK_K == 0,
         DOT_PRECISION="ieee" if is_fp32 else "tf32",
         FUSE_ACT=fuse_activation is not None, ACTIVATION=_ACT_CODE[fuse_activation or Activation.SILU],
+        B_TMA=b_arg is not None,
         BLOCK_M=tile.BLOCK_M, BLOCK_N=tile.BLOCK_N, BLOCK_K=tile.BLOCK_K, GROUP_M=tile.GROUP_M,
         num_warps=tile.num_warps, num_stages=tile.num_stages,
     )
