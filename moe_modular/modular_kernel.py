@@ -9,7 +9,6 @@ import math
 from typing import Callable, Optional
 
 import torch
-from torch.profiler import record_function
 
 from moe_modular.config import Activation
 from moe_modular.interfaces import (
@@ -18,6 +17,7 @@ from moe_modular.interfaces import (
     FusedMoEPrepareAndFinalizeModular,
     PrepareResult,
 )
+from moe_modular.profiler_scope import phase
 from moe_modular.quant import MoEQuantParams
 from moe_modular.workspace import WorkspaceCache
 
@@ -98,23 +98,23 @@ class FusedMoEModularKernel(torch.nn.Module):
         args = (hidden_states, topk_weights, topk_ids, global_num_experts, expert_map,
                 apply_router_weight_on_input, quant)
         shared_output = None
-        with record_function("prepare"):
+        with phase("prepare"):
             if self.shared_experts is not None and pf.has_prepare_no_receive():
                 receiver = pf.prepare_no_receive(*args)
-                with record_function("shared_experts"):
+                with phase("shared_experts"):
                     shared_output = self.shared_experts(hidden_states)
                 prepared = receiver()
             else:
                 prepared = pf.prepare(*args)
         if self.shared_experts is not None and shared_output is None:
-            with record_function("shared_experts"):
+            with phase("shared_experts"):
                 shared_output = self.shared_experts(hidden_states)
 
-        with record_function("experts"):
+        with phase("experts"):
             fused_out = self._run_experts(prepared, w1, w2, topk_weights, topk_ids, activation,
                                           global_num_experts, expert_map, apply_router_weight_on_input)
 
-        with record_function("finalize"):
+        with phase("finalize"):
             pf.finalize(output, fused_out, topk_weights, topk_ids, apply_router_weight_on_input,
                         fe.finalize_weight_and_reduce_impl())
         if self.shared_experts is not None:
@@ -164,8 +164,10 @@ class FusedMoEModularKernel(torch.nn.Module):
 
         chunk = M if (batched or not fe.supports_chunking()) else min(M, self.chunk_size)
         chunk = max(chunk, 1)
-        _, _, out_shape, _ = fe.workspace_shapes(M, N2, K, topk, global_num_experts, El, meta)
-        ws13_shape, ws2_shape, _, ws_dtype = fe.workspace_shapes(chunk, N2, K, topk, global_num_experts, El, meta)
+        ws13_shape, ws2_shape, out_shape, ws_dtype = fe.workspace_shapes(chunk, N2, K, topk, global_num_experts,
+                                                                        El, meta)
+        if chunk != M:  # the output covers every chunk
+            out_shape = fe.workspace_shapes(M, N2, K, topk, global_num_experts, El, meta)[2]
         dev = a1q.device
         fused_out = self.workspaces.get("fused_out", tuple(out_shape), fe.moe.dtype, dev)
         if M == 0:

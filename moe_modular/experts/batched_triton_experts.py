@@ -20,7 +20,6 @@ from moe_modular.experts.triton_common import (
     WorkspaceLayout,
     bytes_to_numel,
     check_device,
-    fused_gemm1_tile,
     fuses_activation,
     h1_dtype,
     h1_view,
@@ -133,7 +132,7 @@ class BatchedTritonExperts(FusedMoEExpertsModular):
         inter = buf["intermediate"]
         inter_scale = buf.get("intermediate_scale", a2_scale)
         if self._fused(activation):
-            moe_gemm(hidden_states, w1, inter.view(El, B, Ni), fused_gemm1_tile(cfg.gemm1),
+            moe_gemm(hidden_states, w1, inter.view(El, B, Ni), self.tiles.fused_gemm1(cfg.gemm1),
                      expert_num_tokens_El=counts, fuse_activation=activation)
         else:
             h1 = h1_view(workspace13, (El, B, N2), self.moe, self._fused(self.moe.activation), activation)

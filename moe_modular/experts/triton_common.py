@@ -116,6 +116,11 @@ class TileSelector:
         self.fixed = fixed
         self._devices: dict[torch.device, str] = {}
         self._chosen = BoundedMemo()
+        self._fused = BoundedMemo()
+
+    def fused_gemm1(self, tile: "GemmTile") -> "GemmTile":
+        """fused_gemm1_tile(tile), memoized (the forward asks for it on every call)."""
+        return self._fused.get_or_make(tile, lambda: fused_gemm1_tile(tile))
 
     def __call__(self, M: int, El: int, Ni: int, K: int, topk: int, device: torch.device) -> "TileConfig":
         if self.fixed is not None:

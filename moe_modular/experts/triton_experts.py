@@ -27,7 +27,6 @@ from moe_modular.experts.triton_common import (
     WorkspaceLayout,
     bytes_to_numel,
     check_device,
-    fused_gemm1_tile,
     fuses_activation,
     h1_dtype,
     h1_view,
@@ -164,7 +163,7 @@ class TritonExperts(FusedMoEExpertsModular):
                      num_routes=R)
         inter_scale = buf.get("intermediate_scale", a2_scale)
         if self._fused(activation):
-            moe_gemm(hidden_states, w1, buf["intermediate"], fused_gemm1_tile(cfg.gemm1), a_row_div=topk,
+            moe_gemm(hidden_states, w1, buf["intermediate"], self.tiles.fused_gemm1(cfg.gemm1), a_row_div=topk,
                      fuse_activation=activation, **align)
         else:
             h1 = h1_view(workspace13, (R, N2), self.moe, self._fused(self.moe.activation), activation)

@@ -10,7 +10,6 @@ from dataclasses import dataclass
 from typing import Callable, Optional
 
 import torch
-from torch.profiler import record_function
 
 from all2all.base import All2AllHandleConfig, All2AllManager, RowLayout
 from moe_modular.config import MoEConfig
@@ -32,6 +31,7 @@ from moe_modular.prepare_finalize.ep_common import (
     scale_width,
     token_row_format,
 )
+from moe_modular.profiler_scope import phase
 from moe_modular.quant import MoEQuantParams, QuantConfig
 from moe_modular.weight_and_reduce import (
     TopKWeightAndReduceContiguous,
@@ -163,7 +163,7 @@ class AllToAllPrepareAndFinalize(FusedMoEPrepareAndFinalizeModular):
 
         fields = [xq] + ([scale] if self.n_scale else []) + [topk_ids.to(torch.int32), topk_weights.float()]
         rows_SB = self.row_format.pack(fields).index_select(0, send_tok_S)
-        with record_function("dispatch"):
+        with phase("dispatch"):
             pending = self.manager.dispatch(self.handle, rows_SB, layout, async_op=async_op, tag="tokens")
         per_tensor_scale = scale if (scale is not None and not self.n_scale) else None
 
@@ -198,7 +198,7 @@ class AllToAllPrepareAndFinalize(FusedMoEPrepareAndFinalizeModular):
     def _send_back(self, rows_RX: torch.Tensor, layout: RowLayout, tag: str) -> torch.Tensor:
         """Reverse all-to-all of wire rows (any dtype, moved as bytes) -> rows in dispatch send order."""
         dtype, X = rows_RX.dtype, rows_RX.size(1)
-        with record_function("combine"):
+        with phase("combine"):
             back = self.manager.combine(self.handle, rows_RX.contiguous().view(torch.uint8), layout, tag=tag).wait()
         self.last_combine_rows = rows_RX.size(0) * self.wire.rows_per_entry
         return back.view(dtype).reshape(-1, X)

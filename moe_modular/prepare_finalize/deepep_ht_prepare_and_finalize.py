@@ -9,7 +9,6 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
-from torch.profiler import record_function
 
 from all2all.deepep import (
     HT_COMBINE_DTYPE,
@@ -40,6 +39,7 @@ from moe_modular.prepare_finalize.ep_common import (
     masked_weights,
     quantize_for_dispatch,
 )
+from moe_modular.profiler_scope import phase
 from moe_modular.quant import FP8_DTYPE, ActivationQuant, MoEQuantParams, QuantConfig, quantize_activations
 from moe_modular.weight_and_reduce import (
     TopKWeightAndReduceContiguous,
@@ -168,7 +168,7 @@ class DeepEPHTPrepareAndFinalize(FusedMoEPrepareAndFinalizeModular):
 
         buf = self.handle.deep_ep_buffer
         per_rank, per_rdma_rank, per_expert, in_rank, _ = buf.get_dispatch_layout(ids_Tk, num_experts)
-        with record_function("dispatch"):
+        with phase("dispatch"):
             recv_x, recv_ids_Rk, recv_w_Rk, recv_per_expert, handle, _ = buf.dispatch(
                 x, topk_idx=ids_Tk, topk_weights=weights_Tk,
                 num_tokens_per_rank=per_rank, num_tokens_per_rdma_rank=per_rdma_rank,
@@ -209,7 +209,7 @@ class DeepEPHTPrepareAndFinalize(FusedMoEPrepareAndFinalizeModular):
             impl.apply(reduced_RK, fused_expert_output, masked_weights(st.recv_weights_Rk, st.recv_local_Rk),
                        st.recv_local_Rk, apply_router_weight_on_input)
         send_RKp = pad_hidden(reduced_RK.to(HT_COMBINE_DTYPE), self.padded_hidden)
-        with record_function("combine"):
+        with phase("combine"):
             combined_TKp, _, _ = self.handle.deep_ep_buffer.combine(send_RKp, st.handle,
                                                                     config=self.manager.combine_config())
         output.copy_(combined_TKp[:, :K])

@@ -10,7 +10,6 @@ from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 import torch
-from torch.profiler import record_function
 
 from all2all.deepep import (
     LL_MAX_TOPK,
@@ -37,6 +36,7 @@ from moe_modular.prepare_finalize.deepep_common import (
     to_linear_ids,
 )
 from moe_modular.prepare_finalize.ep_common import ExpertPlacementTables, check_context, quantize_for_dispatch
+from moe_modular.profiler_scope import phase
 from moe_modular.quant import ActivationQuant, MoEQuantParams, QuantConfig
 from moe_modular.weight_and_reduce import (
     TopKWeightAndReduceDelegate,
@@ -173,7 +173,7 @@ class DeepEPLLPrepareAndFinalize(FusedMoEPrepareAndFinalizeModular):
         kwargs: dict[str, Any] = {}
         if self.manager.dispatch_accepts("use_fp8"):
             kwargs["use_fp8"] = self.fp8_dispatch
-        with record_function("dispatch"):
+        with phase("dispatch"):
             recv_x, recv_count_El, handle, _, hook = self.handle.deep_ep_buffer.low_latency_dispatch(
                 x_TKl, ids_Tk, moe.max_num_tokens, num_experts, async_finish=False, return_recv_hook=use_hook,
                 **kwargs)
@@ -229,7 +229,7 @@ class DeepEPLLPrepareAndFinalize(FusedMoEPrepareAndFinalizeModular):
         y_ElBKl = pad_hidden(fused_expert_output.to(LL_DTYPE), self.kernel_hidden)
         weights_Tk = torch.ones_like(topk_weights, dtype=torch.float32) if apply_router_weight_on_input \
             else topk_weights.float().contiguous()
-        with record_function("combine"):
+        with phase("combine"):
             combined_TKl, _, _ = self.handle.deep_ep_buffer.low_latency_combine(
                 y_ElBKl, st.ids_Tk, weights_Tk, st.handle, async_finish=False, return_recv_hook=False)
         output.copy_(combined_TKl[:, :K])

@@ -10,7 +10,6 @@ from dataclasses import dataclass
 from typing import Callable, Optional
 
 import torch
-from torch.profiler import record_function
 
 from all2all.base import All2AllHandleConfig, All2AllManager
 from moe_modular.config import MoEConfig
@@ -29,6 +28,7 @@ from moe_modular.prepare_finalize.ep_common import (
     scale_width,
     token_row_format,
 )
+from moe_modular.profiler_scope import phase
 from moe_modular.quant import MoEQuantParams, QuantConfig
 from moe_modular.weight_and_reduce import TopKWeightAndReduceNaiveBatched, resolve_weight_and_reduce
 
@@ -168,7 +168,7 @@ class LowLatencyAll2AllPrepareAndFinalize(FusedMoEPrepareAndFinalizeModular):
         send.zero_()
         tok_of_route = torch.arange(T, device=a1.device).repeat_interleave(k)
         send.index_copy_(0, slot_Tk.reshape(-1), rows_TX.index_select(0, tok_of_route))
-        with record_function("dispatch"):
+        with phase("dispatch"):
             counts_pending = self.manager.dispatch(self.handle, counts_WEl, self.counts_layout,
                                                    async_op=async_op, tag="counts")
             slots_pending = self.manager.dispatch(self.handle, send[:nslots], self.slots_layout,
@@ -218,7 +218,7 @@ class LowLatencyAll2AllPrepareAndFinalize(FusedMoEPrepareAndFinalizeModular):
             raise ValueError(f"expert output must be ({El}, {W * Tm}, {K}), got {tuple(fused_expert_output.shape)}")
         dtype = fused_expert_output.dtype
         back_rows = fused_expert_output.reshape(El * W * Tm, K).index_select(0, st.compact_index)
-        with record_function("combine"):
+        with phase("combine"):
             got = self.manager.combine(self.handle, back_rows.view(torch.uint8), self.slots_layout, tag="slots").wait()
         got_K = got.view(dtype).reshape(W * El * Tm, K)
         T, k = st.route_slot_Tk.shape

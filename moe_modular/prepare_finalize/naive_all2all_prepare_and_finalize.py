@@ -10,7 +10,6 @@ from dataclasses import dataclass
 from typing import Callable, Optional
 
 import torch
-from torch.profiler import record_function
 
 from all2all.base import All2AllHandleConfig, All2AllManager, RowLayout
 from moe_modular.config import MoEConfig
@@ -29,6 +28,7 @@ from moe_modular.prepare_finalize.ep_common import (
     scale_width,
     token_row_format,
 )
+from moe_modular.profiler_scope import phase
 from moe_modular.quant import FP8_DTYPE, ActivationQuant, MoEQuantParams, QuantConfig, quantize_activations
 from moe_modular.weight_and_reduce import (
     TopKWeightAndReduceContiguous,
@@ -143,7 +143,7 @@ class NaiveAll2AllPrepareAndFinalize(FusedMoEPrepareAndFinalizeModular):
             xq, scale = a1, None
         layout = self.manager.gather_counts(T)
         fields = [xq] + ([scale] if self.n_scale else []) + [topk_ids.to(torch.int32), topk_weights.float()]
-        with record_function("dispatch"):
+        with phase("dispatch"):
             pending = self.manager.dispatch(self.handle, self.row_format.pack(fields), layout,
                                             async_op=async_op, tag="tokens")
         per_tensor_scale = scale if (scale is not None and not self.n_scale) else None
@@ -180,6 +180,6 @@ class NaiveAll2AllPrepareAndFinalize(FusedMoEPrepareAndFinalizeModular):
         else:
             impl.apply(partial_AK, fused_expert_output, masked_weights(st.weights_Ak, st.local_Ak), st.local_Ak,
                        apply_router_weight_on_input)
-        with record_function("combine"):
+        with phase("combine"):
             mine_TK = self.manager.combine(self.handle, partial_AK, st.layout, tag="partials").wait()
         output.copy_(mine_TK.to(output.dtype))

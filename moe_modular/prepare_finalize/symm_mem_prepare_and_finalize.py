@@ -10,7 +10,6 @@ from dataclasses import dataclass
 from typing import Optional
 
 import torch
-from torch.profiler import record_function
 
 from all2all.rows import RowField, RowFormat
 from all2all.symm_mem import (
@@ -37,6 +36,7 @@ from moe_modular.prepare_finalize.ep_common import (
     quantize_for_dispatch,
     scale_width,
 )
+from moe_modular.profiler_scope import phase
 from moe_modular.quant import MoEQuantParams
 from moe_modular.weight_and_reduce import (
     TopKWeightAndReduceContiguous,
@@ -178,7 +178,7 @@ class SymmMemPrepareAndFinalize(FusedMoEPrepareAndFinalizeModular):
         fields.append(topk_weights.reshape(-1).float().index_select(0, route_S).unsqueeze(1))
         rows_SB = self.row_format.pack(fields)
 
-        with record_function("dispatch"):
+        with phase("dispatch"):
             recv_CB, splits_offsets = self.manager.dispatch_2d(self.handle, rows_SB, splits_WEl)
         so_2EW = splits_offsets.cpu()  # the step's host sync
         pos_R, cell_R = received_positions(so_2EW)
@@ -217,7 +217,7 @@ class SymmMemPrepareAndFinalize(FusedMoEPrepareAndFinalizeModular):
         cin = self.manager.combine_input(self.handle)
         cin.index_copy_(0, st.recv_pos_R, wire_RK.view(torch.uint8).reshape(R, -1))
         S = st.route_S.numel()
-        with record_function("combine"):
+        with phase("combine"):
             back_SK = self.manager.combine_2d(self.handle, S).contiguous().view(self.combine_dtype).reshape(S, K)
         acc = torch.zeros((st.T * st.k, K), dtype=torch.float32, device=back_SK.device)
         acc.index_copy_(0, st.route_S, back_SK.float())
