@@ -144,6 +144,28 @@ def test_moe_gemm_standard_matches_oracle(dtype, qc, b_tma):
         assert _rel(c[r].cpu(), ref[0]) <= tol, f"route {r}"
 
 
+def test_moe_gemm_b_tma_falls_back_to_pointers_where_tma_cannot_address_the_weights():
+    # weights whose K stride is not 1 (a transposed copy): no descriptor; b_tma=1 then computes exactly
+    # what the pointer path computes
+    from moe_modular.kernels.moe_gemm import _b_descriptor
+
+    T, k, E, K, No = 5, 2, 3, 64, 48
+    g = _gen(11)
+    x = torch.randn(T, K, generator=g).to(torch.bfloat16).to(DEVICE)
+    w = (torch.randn(E, K, No, generator=g) / K ** 0.5).to(torch.bfloat16).to(DEVICE).transpose(1, 2)  # (E, No, K)
+    ids = torch.randint(0, E, (T, k), generator=g, dtype=torch.int32).to(DEVICE)
+    tma, ptr = GemmTile(16, 32, 32, 1, 4, 2, 1), GemmTile(16, 32, 32, 1, 4, 2, 0)
+    assert _b_descriptor(w, tma) is None and _b_descriptor(w.contiguous(), tma) is not None
+    sorted_ids, block_expert, npp = moe_align(ids, tma.BLOCK_M, E)
+    outs = []
+    for tile in (tma, ptr):
+        c = torch.full((T * k, No), float("nan"), dtype=torch.bfloat16, device=DEVICE)
+        moe_gemm(x, w, c, tile, sorted_ids_S=sorted_ids, block_expert_Mb=block_expert, num_post_padded=npp,
+                 a_row_div=k, num_routes=T * k)
+        outs.append(c.cpu())
+    assert not outs[0].isnan().any() and torch.equal(outs[0], outs[1])
+
+
 @B_TMA
 @pytest.mark.parametrize("dtype,qc", [GEMM_SCHEMES[0], GEMM_SCHEMES[3], GEMM_SCHEMES[4]],
                          ids=lambda v: getattr(v, "name", str(v)))
