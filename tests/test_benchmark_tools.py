@@ -193,3 +193,67 @@ def test_tune_space_is_pruned():
     # each tile once per weight-load path, the path as the last GemmTile field
     one, both = (tune_moe.candidates("small", 2, 64.0, None, None, 0, b_tma) for b_tma in ((0,), (0, 1)))
     assert {t[-1] for t in one} == {0} and sorted(both) == sorted(one + [t[:-1] + (1,) for t in one])
+
+
+# ---- tools/ab_tiles.py --------------------------------------------------------------------------
+def test_ab_tiles_smoke_times_base_and_variant_side_by_side(tmp_path):
+    from tools import ab_tiles
+
+    if torch.cuda.is_available():
+        pytest.skip("the smoke A/B runs the CPU interpreter")
+    assert ab_tiles.main(["--smoke", "--out", str(tmp_path)]) == 0
+    with open(tmp_path / "ab_tiles.csv") as f:
+        rows = list(csv.DictReader(f))
+    assert [r["variant"] for r in rows] == ["base", "b_tma=1"]
+    base, tma = rows
+    assert float(base["ratio"]) == 1.0 and not base["error"] and not tma["error"]
+    assert float(tma["ratio"]) == pytest.approx(float(base["us"]) / float(tma["us"]))
+    assert "'b_tma': 1" in tma["tiles"] and "b_tma" not in base["tiles"]
+
+
+# (override, message): each names what is wrong and what is allowed
+BAD_OVERRIDES = [
+    ("BLOK_N=64", r"field 'BLOK_N' must be one of \['BLOCK_M'"),  # a misspelt field
+    ("gemm3.BLOCK_N=64", r"prefix 'gemm3' must be one of \['gemm1', 'gemm2'\]"),  # no such GEMM
+    ("gemm2.BLOCK_M=32", "BLOCK_M is shared by both GEMMs"),  # would split the alignment block
+    ("BLOCK_N", "must be FIELD=INTEGER"),  # no value
+    ("num_warps=four", "must be FIELD=INTEGER"),  # not an integer
+]
+
+
+@pytest.mark.parametrize("token,message", BAD_OVERRIDES, ids=[t for t, _ in BAD_OVERRIDES])
+def test_ab_tiles_rejects_bad_overrides(token, message):
+    from tools import ab_tiles
+
+    with pytest.raises(ValueError, match=message):
+        ab_tiles.parse_override(token)
+
+
+def test_ab_tiles_overrides_apply_per_gemm_and_are_validated():
+    from moe_modular.kernels.moe_gemm import GemmTile
+    from moe_modular.tile_config import TileConfig
+    from tools import ab_tiles
+
+    base = TileConfig(GemmTile(64, 128, 64, 8, 4, 3), GemmTile(64, 64, 128, 1, 4, 3))
+    both = ab_tiles.apply_overrides(base, [ab_tiles.parse_override("b_tma=1"),
+                                           ab_tiles.parse_override("gemm2.num_stages=4")])
+    assert both.gemm1 == GemmTile(64, 128, 64, 8, 4, 3, 1) and both.gemm2 == GemmTile(64, 64, 128, 1, 4, 4, 1)
+    with pytest.raises(ValueError, match="power of two"):
+        ab_tiles.apply_overrides(base, [ab_tiles.parse_override("gemm1.BLOCK_N=96")])
+
+
+def test_ab_tiles_reports_a_variant_that_cannot_run_and_keeps_timing_the_others():
+    from tools import ab_tiles
+
+    calls = []
+
+    def trial(cfg):
+        calls.append(cfg)
+        if cfg == "broken":
+            raise RuntimeError("out of resources: shared memory")
+        return {"base": 2.0, "fast": 1.0}[cfg] + 0.1 * len(calls)  # later rounds are slower
+
+    best = ab_tiles.time_variants(trial, [("base", "base"), ("fast", "fast"), ("broken", "broken")], rounds=2)
+    assert best["base"] == (pytest.approx(2.1), "") and best["fast"] == (pytest.approx(1.2), "")
+    assert best["broken"][0] == float("inf") and "out of resources" in best["broken"][1]
+    assert calls.count("broken") == 1  # a failed variant is not retried
