@@ -20,11 +20,20 @@ import math
 import os
 import sys
 from dataclasses import fields, replace
-from typing import Optional
 
 import torch
 
-from tools.benchmark_moe import QUANTS, SHAPES, SMOKE_SHAPES, Timer, make_inputs, make_weights, n_sets_for, write_csv
+from tools.benchmark_moe import (
+    QUANTS,
+    SHAPES,
+    SMOKE_SHAPES,
+    Timer,
+    make_inputs,
+    make_weights,
+    n_sets_for,
+    resolve_shapes_and_quants,
+    write_csv,
+)
 from tools.tune_moe import Trial, incumbent
 
 GEMMS = ("gemm1", "gemm2")
@@ -86,14 +95,7 @@ def parse_args(argv=None):
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--smoke", action="store_true", help=f"tiny shape, variant {SMOKE_VARIANT}, the CPU interpreter")
     args = p.parse_args(argv)
-    shapes = SMOKE_SHAPES if args.smoke else SHAPES
-    args.shapes = args.shapes or (["tiny"] if args.smoke else list(shapes))
-    for s in args.shapes:
-        if s not in shapes:
-            p.error(f"--shapes ({s!r}) must be one of {list(shapes)}")
-    for q in args.quant:
-        if q not in QUANTS:
-            p.error(f"--quant ({q!r}) must be one of {list(QUANTS)}")
+    shapes = resolve_shapes_and_quants(p, args, smoke_default=["tiny"])
     if args.rounds < 1:
         p.error(f"--rounds ({args.rounds}) must be >= 1")
     args.variants = args.variants or ([SMOKE_VARIANT] if args.smoke else None)

@@ -637,6 +637,21 @@ def plot_path(path: str, quant: str) -> str:
 
 # ---- main ----------------------------------------------------------------------------------
 
+def resolve_shapes_and_quants(p: argparse.ArgumentParser, args, smoke_default: Sequence[str] = ()) -> dict:
+    """The shape table for args.smoke (SMOKE_SHAPES or SHAPES); args.shapes defaults to smoke_default
+    under --smoke (else every shape of the table). A name in args.shapes or args.quant outside its
+    table is a parser error that names the allowed ones."""
+    shapes = SMOKE_SHAPES if args.smoke else SHAPES
+    args.shapes = args.shapes or (list(smoke_default) if args.smoke and smoke_default else list(shapes))
+    for s in args.shapes:
+        if s not in shapes:
+            p.error(f"--shapes ({s!r}) must be one of {list(shapes)}")
+    for q in args.quant:
+        if q not in QUANTS:
+            p.error(f"--quant ({q!r}) must be one of {list(QUANTS)}")
+    return shapes
+
+
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shapes", nargs="+", help=f"subset of {list(SHAPES)} (smoke: {list(SMOKE_SHAPES)})")
@@ -657,14 +672,7 @@ def parse_args(argv=None):
     args = p.parse_args(argv)
     args.out_given = args.out is not None
     args.out = args.out or "benchmark_out"
-    shapes = SMOKE_SHAPES if args.smoke else SHAPES
-    args.shapes = args.shapes or list(shapes)
-    for s in args.shapes:
-        if s not in shapes:
-            p.error(f"--shapes ({s!r}) must be one of {list(shapes)}")
-    for q in args.quant:
-        if q not in QUANTS:
-            p.error(f"--quant ({q!r}) must be one of {list(QUANTS)}")
+    shapes = resolve_shapes_and_quants(p, args)
     for e in args.experts:
         if e not in EXPERTS:
             p.error(f"--experts ({e!r}) must be one of {list(EXPERTS)}")

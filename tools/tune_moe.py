@@ -43,6 +43,7 @@ from tools.benchmark_moe import (
     make_inputs,
     make_weights,
     n_sets_for,
+    resolve_shapes_and_quants,
 )
 
 # Search spaces: "full" is the cross product below (pruned), "small" a short list that covers the
@@ -171,14 +172,7 @@ def parse_args(argv=None):
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--smoke", action="store_true", help="tiny shape, two tiles, the CPU interpreter")
     args = p.parse_args(argv)
-    shapes = SMOKE_SHAPES if args.smoke else SHAPES
-    args.shapes = args.shapes or (["tiny"] if args.smoke else list(shapes))
-    for s in args.shapes:
-        if s not in shapes:
-            p.error(f"--shapes ({s!r}) must be one of {list(shapes)}")
-    for q in args.quant:
-        if q not in QUANTS:
-            p.error(f"--quant ({q!r}) must be one of {list(QUANTS)}")
+    shapes = resolve_shapes_and_quants(p, args, smoke_default=["tiny"])
     args.ms = args.ms or ([8] if args.smoke else BENCH_MS)
     args.b_tma = {"off": (0,), "on": (1,), "both": (0, 1)}[args.b_tma]
     if args.smoke:
