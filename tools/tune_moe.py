@@ -159,8 +159,9 @@ def parse_args(argv=None):
     p.add_argument("--quant", nargs="+", default=["bf16"], help=f"of {list(QUANTS)}")
     p.add_argument("--space", choices=("small", "full"), default="small")
     p.add_argument("--max-configs", type=int, help="sample at most this many stage-1 tiles per bucket")
-    p.add_argument("--b-tma", choices=("off", "on", "both"), default="both",
-                   help="weight tiles through pointers (off), tensor descriptors / TMA (on), or each tile both ways")
+    p.add_argument("--b-tma", choices=("off", "on", "both"),
+                   help="weight tiles through pointers (off), tensor descriptors / TMA (on), or each tile both ways "
+                        "(default: both on a GPU with TMA, compute capability >= 9, else off)")
     p.add_argument("--no-gemm2", dest="gemm2", action="store_false", help="skip stage 2 (gemm2 overrides)")
     p.add_argument("--no-incumbent", dest="incumbent", action="store_false",
                    help="do not time the tiles TritonExperts picks today as a stage-1 candidate")
@@ -174,6 +175,9 @@ def parse_args(argv=None):
     args = p.parse_args(argv)
     shapes = resolve_shapes_and_quants(p, args, smoke_default=["tiny"])
     args.ms = args.ms or ([8] if args.smoke else BENCH_MS)
+    if args.b_tma is None:  # descriptors fall back to pointers before Hopper: timing both would repeat trials
+        has_tma = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 9
+        args.b_tma = "both" if has_tma else "off"
     args.b_tma = {"off": (0,), "on": (1,), "both": (0, 1)}[args.b_tma]
     if args.smoke:
         args.space, args.gemm2, args.rep_ms, args.b_tma = "smoke", False, 1.0, (0,)
