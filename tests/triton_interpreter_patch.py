@@ -13,7 +13,17 @@ the GPU computes. Applied by tests/__init__.py in every process that imports the
 """
 from __future__ import annotations
 
+import os
+
 import torch
+
+
+def use_interpreter() -> bool:
+    """Run this process's Triton kernels in the interpreter: TRITON_INTERPRET=1 unless the environment
+    already says otherwise (it takes effect only before triton is first imported), then the fixes
+    below. Returns what patch_triton_interpreter returns."""
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+    return patch_triton_interpreter()
 
 
 def patch_triton_interpreter() -> bool:

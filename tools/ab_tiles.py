@@ -106,10 +106,9 @@ def parse_args(argv=None):
         args.rep_ms, args.rounds = 1.0, 1
     if args.smoke and not torch.cuda.is_available():
         # before anything imports triton: the overrides are checked against GemmTile, in the kernel module
-        os.environ.setdefault("TRITON_INTERPRET", "1")
-        from tests.triton_interpreter_patch import patch_triton_interpreter
+        from tests.triton_interpreter_patch import use_interpreter
 
-        patch_triton_interpreter()
+        use_interpreter()
     try:
         args.overrides = [[parse_override(t) for t in v] for v in args.variants]
     except ValueError as exc:
@@ -168,9 +167,9 @@ def main(argv=None) -> int:
                         errors[label] = f"ValueError: {exc}"
                 best = time_variants(trial, configs, args.rounds)
                 best.update({label: (math.inf, err) for label, err in errors.items()})
-                base_s = best["base"][0]
+                base_s, by_label = best["base"][0], dict(configs)
                 for label, (t, err) in best.items():
-                    cfg = dict(configs).get(label)
+                    cfg = by_label.get(label)
                     ok = not err and math.isfinite(t)
                     rows.append({"shape": shape_key, "quant": quant_key, "M": M, "variant": label,
                                  "us": t * 1e6 if ok else None, "error": err,

@@ -420,10 +420,9 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     start = time.time()
     if args.smoke:
-        os.environ.setdefault("TRITON_INTERPRET", "1")
-        from tests.triton_interpreter_patch import patch_triton_interpreter
+        from tests.triton_interpreter_patch import use_interpreter
 
-        patch_triton_interpreter()
+        use_interpreter()
         device = torch.device("cpu")
     else:
         device = torch.device("cuda")

@@ -175,8 +175,12 @@ def parse_args(argv=None):
     args = p.parse_args(argv)
     shapes = resolve_shapes_and_quants(p, args, smoke_default=["tiny"])
     args.ms = args.ms or ([8] if args.smoke else BENCH_MS)
-    if args.b_tma is None:  # descriptors fall back to pointers before Hopper: timing both would repeat trials
-        has_tma = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 9
+    if args.b_tma is None:  # descriptors fall back to pointers without TMA: timing both would repeat trials
+        has_tma = False
+        if torch.cuda.is_available():  # (no triton import on the CPU: --smoke selects the interpreter later)
+            from moe_modular.kernels.moe_gemm import gpu_has_tma
+
+            has_tma = gpu_has_tma(torch.device("cuda", torch.cuda.current_device()))
         args.b_tma = "both" if has_tma else "off"
     args.b_tma = {"off": (0,), "on": (1,), "both": (0, 1)}[args.b_tma]
     if args.smoke:
@@ -187,10 +191,9 @@ def parse_args(argv=None):
 def main(argv=None) -> int:
     args, shapes = parse_args(argv)
     if args.smoke and not torch.cuda.is_available():
-        os.environ.setdefault("TRITON_INTERPRET", "1")
-        from tests.triton_interpreter_patch import patch_triton_interpreter
+        from tests.triton_interpreter_patch import use_interpreter
 
-        patch_triton_interpreter()
+        use_interpreter()
     from tests.modular_kernel_tools.progress import ProgressBar
 
     from moe_modular.tile_config import TileConfig, TileConfigTable, device_name

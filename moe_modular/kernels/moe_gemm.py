@@ -199,13 +199,18 @@ def _strides(t: Optional[torch.Tensor], n: int) -> tuple[int, ...]:
     return (0,) * (n - len(s)) + s
 
 
+def gpu_has_tma(device: torch.device) -> bool:
+    """Whether `device` is a GPU with the tensor memory accelerator (compute capability >= 9)."""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
+
+
 def _b_descriptor(b_ENK: torch.Tensor, tile: GemmTile) -> Optional["TensorDescriptor"]:
     """A (1, BLOCK_N, BLOCK_K) tensor descriptor over b_ENK, or None where TMA cannot address it (the
     kernel then loads B through pointers: same values, no TMA): a GPU before Hopper, or a layout whose
     last stride is not 1 or whose base / other strides are not 16-byte aligned."""
     from triton.tools.tensor_descriptor import TensorDescriptor
 
-    if b_ENK.device.type == "cuda" and torch.cuda.get_device_capability(b_ENK.device)[0] < 9:
+    if b_ENK.device.type == "cuda" and not gpu_has_tma(b_ENK.device):  # the interpreter emulates descriptors
         return None
     item = b_ENK.element_size()
     se, sn, sk = b_ENK.stride()
