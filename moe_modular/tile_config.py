@@ -14,7 +14,8 @@ dtype, quant scheme name, device name) and maps token-count buckets M to one Til
       64: {BLOCK_M: 32, BLOCK_N: 128, BLOCK_K: 64, GROUP_M: 1, num_warps: 4, num_stages: 4,
            gemm2: {BLOCK_N: 64}}   # optional overrides for the second GEMM (not BLOCK_M)
       4096: {BLOCK_M: 128, BLOCK_N: 256, BLOCK_K: 64, GROUP_M: 8, num_warps: 8, num_stages: 3,
-             b_tma: 1}             # optional: weight tiles through a tensor descriptor (TMA)
+             b_tma: 1,             # optional: weight tiles through a tensor descriptor (TMA)
+             gemm2: {a_tma: 1}}    # optional: activation tiles too, where their rows are contiguous
 
 For M between buckets the nearest bucket in log2(M) is used. Without a matching table,
 `default_tile_config` picks tiles from the average tokens per expert.
@@ -34,7 +35,8 @@ from moe_modular.quant import QuantConfig
 
 CONFIG_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs")
 CPU_DEVICE_NAME = "cpu"
-_TILE_FIELDS = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "num_warps", "num_stages", "b_tma")
+_TILE_FIELDS = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "num_warps", "num_stages", "b_tma", "a_tma")
+_FLAG_FIELDS = ("b_tma", "a_tma")  # 0 / 1, listed in tables only where 1
 
 
 def device_name(device: torch.device) -> str:
@@ -77,8 +79,9 @@ class TileConfig:
                 v = getattr(tile, f)
                 if not isinstance(v, int) or v < 1:
                     raise ValueError(f"TileConfig.{name}.{f} ({v!r}) must be an int >= 1")
-            if tile.b_tma not in (0, 1):
-                raise ValueError(f"TileConfig.{name}.b_tma ({tile.b_tma!r}) must be 0 or 1")
+            for f in _FLAG_FIELDS:
+                if getattr(tile, f) not in (0, 1):
+                    raise ValueError(f"TileConfig.{name}.{f} ({getattr(tile, f)!r}) must be 0 or 1")
 
     @property
     def block_m(self) -> int:
@@ -101,10 +104,11 @@ class TileConfig:
     def to_dict(self) -> dict:
         d = asdict(self.gemm1)
         over = {k: v for k, v in asdict(self.gemm2).items() if d[k] != v}
+        for f in _FLAG_FIELDS:  # 0 is the default; tables list a flag only where it is on
+            if not d[f]:
+                del d[f]
         if over:
             d["gemm2"] = over
-        if not d["b_tma"]:  # the default; tables list it only where it is on
-            del d["b_tma"]
         return d
 
     def with_block_k_limit(self, limit: int) -> "TileConfig":

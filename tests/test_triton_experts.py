@@ -264,6 +264,58 @@ def test_fixed_tiles_override_the_tables():
     assert ((out.float() - ref).norm() / ref.norm()).item() <= tolerance(c.dtype, c.quant)
 
 
+SORTED_CASES = [Case(9, 7, 3, held=(0, 2, 3, 5, 6)), Case(6, 7, 2, dtype=torch.float16, activation=Activation.GELU),
+                Case(6, 7, 2, quant=QuantConfig.fp8_per_token())]  # fp8: the intermediate stays in route order
+
+
+@pytest.mark.parametrize("a_tma", [(1, 1), (0, 1), (1, 0)], ids=["both", "gemm2", "gemm1"])
+@pytest.mark.parametrize("c", SORTED_CASES, ids=_name)
+def test_sorted_rows_through_descriptors_match_oracle(c: Case, a_tma, monkeypatch):
+    # gemm1.a_tma: the tokens are gathered into sorted order (sort_rows) and GEMM1 reads them by block;
+    # gemm2.a_tma: GEMM1 writes the intermediate in sorted order for GEMM2. Only where GEMM1 applies
+    # the activation (fp8 schemes keep route order); workspaces poisoned, results match the oracle.
+    from moe_modular.kernels import sort_rows as sort_module
+
+    calls = []
+    real = sort_module.sort_rows
+    monkeypatch.setattr(sort_module, "sort_rows", lambda *a, **k: calls.append(1) or real(*a, **k))
+    moe, qp, x, w1, w2, tw, ti, expert_map = make_inputs(c, seed=c.T + 5 * c.E)
+    tile = GemmTile(16, 64, 64, 1, 4, 2, 1)
+    fe = TritonExperts(moe, qp, tile_config=TileConfig(replace(tile, a_tma=a_tma[0]), replace(tile, a_tma=a_tma[1])))
+    El, N2 = w1.shape[0], w1.shape[1]
+    route_order = TritonExperts(moe, qp, tile_config=TileConfig(tile, tile))
+    sized = [fe.workspace_shapes(c.T, N2, c.K, c.topk, c.E, El, None)[i][0] for i in (0, 1)]
+    plain = [route_order.workspace_shapes(c.T, N2, c.K, c.topk, c.E, El, None)[i][0] for i in (0, 1)]
+    if not c.quant.is_quantized:  # sorted rows need room for the per-expert padding
+        assert sized[0] > plain[0] if a_tma[0] else sized[0] == plain[0]
+        assert sized[1] > plain[1] if a_tma[1] else sized[1] == plain[1]
+    pf = MoEPrepareAndFinalizeNoEP()
+    prepared = pf.prepare(x, tw, ti, c.E, expert_map, False, qp)
+    ws13, ws2, out = _poisoned_workspaces(fe, c.T, N2, c.K, c.topk, c.E, El)
+    fe.apply(out, prepared.a1q, w1, w2, tw, ti, c.activation, c.E, expert_map, prepared.a1q_scale, qp.a2_scale,
+             ws13, ws2, None, False)
+    assert len(calls) == (a_tma[0] if not c.quant.is_quantized else 0)
+    ref = _reference(c, qp, x, w1, w2, tw, ti, expert_map)
+    assert torch.isfinite(out).all(), "a row of the output was not written"
+    err = ((out.float() - ref).norm() / ref.norm()).item()
+    assert err <= tolerance(c.dtype, c.quant), f"relative error {err:.3e}"
+
+
+def test_workspaces_sized_for_route_order_keep_route_order():
+    # Workspaces sized for other tiles (route order) are too small for sorted rows: apply keeps route
+    # order rather than writing past them, and the result still matches the oracle.
+    c = Case(9, 7, 3)
+    moe, qp, x, w1, w2, tw, ti, _ = make_inputs(c, seed=4)
+    tile = GemmTile(16, 64, 64, 1, 4, 2, 1)
+    fe = TritonExperts(moe, qp, tile_config=TileConfig(replace(tile, a_tma=1), replace(tile, a_tma=1)))
+    ws13, ws2, out = _poisoned_workspaces(TritonExperts(moe, qp, tile_config=TileConfig(tile, tile)), c.T,
+                                          w1.shape[1], c.K, c.topk, c.E, w1.shape[0])
+    fe.apply(out, x, w1, w2, tw, ti, c.activation, c.E, None, None, None, ws13, ws2, None, False)
+    ref = _reference(c, qp, x, w1, w2, tw, ti, None)
+    assert torch.isfinite(out).all()
+    assert ((out.float() - ref).norm() / ref.norm()).item() <= tolerance(c.dtype, c.quant)
+
+
 # ---- capabilities -----------------------------------------------------------------------------
 def test_capabilities_are_declared_by_the_classes():
     assert TritonExperts.activation_formats() == (ActivationFormat.Standard, ActivationFormat.Standard)
@@ -293,8 +345,10 @@ def test_supports_names_the_block_shape_it_cannot_serve(cls):
 def test_tile_table_round_trip_and_nearest_bucket(tmp_path):
     key = TileKey(8, 96, 192, "bfloat16", "unquantized", "cpu")
     small, big = GemmTile(16, 64, 128, 1, 4, 2), GemmTile(64, 128, 64, 8, 4, 3)
-    # 256: the second GEMM narrower and its weights through pointers while the first uses TMA
-    buckets = {1: TileConfig(small, small), 256: TileConfig(replace(big, b_tma=1), replace(big, BLOCK_N=64))}
+    # 256: the second GEMM narrower, its weights through pointers while the first uses TMA, and its
+    # activations through a descriptor
+    buckets = {1: TileConfig(small, small),
+               256: TileConfig(replace(big, b_tma=1), replace(big, BLOCK_N=64, a_tma=1))}
     (tmp_path / TileConfigTable.file_name(key)).write_text(TileConfigTable.to_yaml(key, buckets, "a test table"))
     table = TileConfigTable.load(str(tmp_path))
     assert table.tables == {key: buckets}
@@ -316,6 +370,9 @@ def test_tile_table_round_trip_and_nearest_bucket(tmp_path):
     ({"E": 8, "N": 1, "K": 1, "dtype": "bfloat16", "quant": "unquantized", "device": "cpu",
       "tiles": {1: {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 64, "gemm2": {"b_tma": 2}}}},
      r"gemm2.b_tma \(2\) must be 0 or 1"),
+    ({"E": 8, "N": 1, "K": 1, "dtype": "bfloat16", "quant": "unquantized", "device": "cpu",
+      "tiles": {1: {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 64, "a_tma": -1}}},
+     r"gemm1.a_tma \(-1\) must be 0 or 1"),
 ])
 def test_tile_table_errors_name_the_field(doc, message):
     with pytest.raises(ValueError, match=message):

@@ -147,7 +147,7 @@ def test_moe_gemm_standard_matches_oracle(dtype, qc, b_tma):
 def test_moe_gemm_b_tma_falls_back_to_pointers_where_tma_cannot_address_the_weights():
     # weights whose K stride is not 1 (a transposed copy): no descriptor; b_tma=1 then computes exactly
     # what the pointer path computes
-    from moe_modular.kernels.moe_gemm import _b_descriptor
+    from moe_modular.kernels.moe_gemm import _descriptor
 
     T, k, E, K, No = 5, 2, 3, 64, 48
     g = _gen(11)
@@ -155,7 +155,8 @@ def test_moe_gemm_b_tma_falls_back_to_pointers_where_tma_cannot_address_the_weig
     w = (torch.randn(E, K, No, generator=g) / K ** 0.5).to(torch.bfloat16).to(DEVICE).transpose(1, 2)  # (E, No, K)
     ids = torch.randint(0, E, (T, k), generator=g, dtype=torch.int32).to(DEVICE)
     tma, ptr = GemmTile(16, 32, 32, 1, 4, 2, 1), GemmTile(16, 32, 32, 1, 4, 2, 0)
-    assert _b_descriptor(w, tma) is None and _b_descriptor(w.contiguous(), tma) is not None
+    box = [1, tma.BLOCK_N, tma.BLOCK_K]
+    assert _descriptor(w, box) is None and _descriptor(w.contiguous(), box) is not None
     sorted_ids, block_expert, npp = moe_align(ids, tma.BLOCK_M, E)
     outs = []
     for tile in (tma, ptr):
@@ -166,10 +167,10 @@ def test_moe_gemm_b_tma_falls_back_to_pointers_where_tma_cannot_address_the_weig
     assert not outs[0].isnan().any() and torch.equal(outs[0], outs[1])
 
 
-@B_TMA
+@pytest.mark.parametrize("b_tma,a_tma", [(0, 0), (1, 0), (1, 1)], ids=["ptr", "b-tma", "ab-tma"])
 @pytest.mark.parametrize("dtype,qc", [GEMM_SCHEMES[0], GEMM_SCHEMES[3], GEMM_SCHEMES[4]],
                          ids=lambda v: getattr(v, "name", str(v)))
-def test_moe_gemm_batched_matches_oracle_and_leaves_unused_slots(dtype, qc, b_tma):
+def test_moe_gemm_batched_matches_oracle_and_leaves_unused_slots(dtype, qc, b_tma, a_tma):
     # El=3 experts with counts (0, 5, 17): an empty expert and one spanning two 16-row blocks
     El, B, K, No = 3, 17, 80, 40
     counts = torch.tensor([0, 5, 17], dtype=torch.int32)
@@ -177,7 +178,7 @@ def test_moe_gemm_batched_matches_oracle_and_leaves_unused_slots(dtype, qc, b_tm
     a = xq.view(El, B, K)
     a_scale = None if xs is None else xs.view(El, B, -1)
     c = torch.full((El, B, No), float("nan"), dtype=dtype, device=DEVICE)
-    tile = GemmTile(16, 32, 32 if qc.is_block else 64, 1, 4, 2, b_tma)
+    tile = GemmTile(16, 32, 32 if qc.is_block else 64, 1, 4, 2, b_tma, a_tma)
     a_mode, b_mode = _MODES.get(qc.name, (AScale.GROUP, BScale.BLOCK))
     moe_gemm(a.to(DEVICE), wq.to(DEVICE), c, tile, a_scale=None if a_scale is None else a_scale.to(DEVICE),
              a_scale_mode=a_mode, b_scale=None if ws is None else ws.to(DEVICE), b_scale_mode=b_mode,
@@ -313,6 +314,69 @@ def test_moe_gemm_fused_activation_matches_oracle(activation, b_tma):
         moe_gemm(x.to(DEVICE), b.to(DEVICE), torch.empty(T * k, 2 * N, device=DEVICE), tile, sorted_ids_S=sorted_ids,
                  block_expert_Mb=block_expert, num_post_padded=num_pp, a_row_div=k, num_routes=T * k,
                  fuse_activation=activation)
+
+
+@pytest.mark.parametrize("a_tma", [0, 1], ids=["a-ptr", "a-tma"])
+def test_moe_gemm_sorted_intermediate_chain_matches_oracle(a_tma):
+    # The fused first GEMM writes the intermediate in sorted order (c_sorted); the second GEMM reads it
+    # there (a_sorted, through a descriptor with a_tma) and writes routes, times the top-k weights.
+    # Unheld routes (id -1) and padding rows: nothing written (NaN stays).
+    T, k, El, K, N = 7, 2, 3, 96, 40
+    g = _gen(17)
+    x = torch.randn(T, K, generator=g).to(torch.bfloat16)
+    w1 = (torch.randn(El, 2 * N, K, generator=g) / K ** 0.5).to(torch.bfloat16)
+    w2 = (torch.randn(El, K, N, generator=g) / N ** 0.5).to(torch.bfloat16)
+    ids = torch.randint(0, El, (T, k), generator=g, dtype=torch.int32)
+    ids[2, 0] = -1
+    topk_w = torch.rand(T, k, generator=g)
+    tile = GemmTile(16, 32, 32, 1, 4, 2, 1, a_tma)
+    sorted_ids, block_expert, num_pp = moe_align(ids.to(DEVICE), tile.BLOCK_M, El, None)
+    S = sorted_ids.numel()
+    align = dict(sorted_ids_S=sorted_ids, block_expert_Mb=block_expert, num_post_padded=num_pp, num_routes=T * k)
+    inter = torch.full((S, N), float("nan"), dtype=torch.bfloat16, device=DEVICE)
+    moe_gemm(x.to(DEVICE), w1.to(DEVICE), inter, tile, a_row_div=k, fuse_activation=Activation.SILU, c_sorted=True,
+             **align)
+    y = torch.full((T * k, K), float("nan"), dtype=torch.bfloat16, device=DEVICE)
+    moe_gemm(inter, w2.to(DEVICE), y, tile, a_row_div=1, topk_weights_Tk=topk_w.to(DEVICE), a_sorted=True, **align)
+    y, sid, npp = y.cpu(), sorted_ids.cpu(), int(num_pp.cpu())
+    for r in range(T * k):
+        e = int(ids.view(-1)[r])
+        if e < 0:
+            assert y[r].isnan().all()
+            continue
+        p = int((sid[:npp] == r).nonzero())
+        h = act_and_mul_torch(moe_gemm_torch(x[r // k: r // k + 1], w1[e]), Activation.SILU)
+        assert _rel(inter[p: p + 1].cpu(), h) <= 2 * torch.finfo(torch.bfloat16).eps
+        ref = moe_gemm_torch(h.to(torch.bfloat16), w2[e]) * topk_w.view(-1)[r]
+        assert _rel(y[r: r + 1], ref) <= 2 * torch.finfo(torch.bfloat16).eps
+    assert inter.cpu()[sid == T * k].isnan().all(), "padding rows were written"
+    with pytest.raises(ValueError, match=r"a_sorted needs a with sorted_ids_S.numel\(\) \(\d+\) rows, got 14"):
+        moe_gemm(inter[: T * k], w2.to(DEVICE), y.to(DEVICE), tile, a_sorted=True, **align)
+
+
+@pytest.mark.parametrize("T,k,El,K", [(9, 3, 5, 200), (1, 1, 4, 64), (0, 2, 3, 64)], ids=["T9", "T1", "T0"])
+def test_sort_rows_gathers_the_routes_and_leaves_padding(T, k, El, K):
+    from moe_modular.kernels.sort_rows import sort_rows, sort_rows_torch
+
+    g = _gen(23)
+    x = torch.randn(T, K, generator=g).to(torch.bfloat16)
+    ids = torch.randint(0, El, (T, k), generator=g, dtype=torch.int32)
+    if T:
+        ids[0, 0] = -1  # not held: no slot
+    sorted_ids, _, npp = moe_align(ids.to(DEVICE), 16, El)
+    out = torch.full((sorted_ids.numel(), K), float("nan"), dtype=torch.bfloat16, device=DEVICE)
+    sort_rows(x.to(DEVICE), sorted_ids, npp, k, out)
+    out, npp = out.cpu(), int(npp.cpu())
+    want = sort_rows_torch(x, sorted_ids.cpu(), npp, k)
+    assert len(want) == (T * k - 1 if T else 0)
+    for p in range(out.shape[0]):
+        if p in want:
+            assert torch.equal(out[p], want[p]), f"row {p}"
+        else:
+            assert out[p].isnan().all(), f"padding row {p} was written"
+    wide = torch.empty(out.shape[0], K + 1, dtype=torch.bfloat16, device=DEVICE)
+    with pytest.raises(ValueError, match=rf"out_SK \(\({out.shape[0]}, {K + 1}\), torch.bfloat16\) must be at least"):
+        sort_rows(x.to(DEVICE), sorted_ids, torch.tensor([0], device=DEVICE), k, wide)
 
 
 # ---- quant_fp8: the GPU path of quantize_activations ------------------------------------------

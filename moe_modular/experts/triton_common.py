@@ -175,6 +175,14 @@ class WorkspaceLayout:
         return out
 
 
+def current_device() -> torch.device:
+    """The device workspace_shapes plans tiles for (it is not given one): the current CUDA device, else
+    the CPU (Triton's interpreter)."""
+    if torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
 def fuses_activation(enabled: bool, q: QuantConfig, activation: Activation) -> bool:
     """Whether the first GEMM applies the activation in its epilogue: unquantized SiLU / GELU (fp8
     schemes re-quantize the intermediate, which act_and_mul does)."""

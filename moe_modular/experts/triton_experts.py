@@ -12,6 +12,10 @@ capturable):
      intermediate itself; h1 is never stored)
   4. GEMM2: y (R, K) = intermediate @ w2[e].T, dequantized, times the route's top-k weight
   5. moe_sum: output (T, K) = sum of the held routes of each token
+Sorted rows (unquantized SiLU / GELU, where the tiles say a_tma): with gemm1.a_tma, sort_rows first
+gathers the tokens into sorted-route order (S, K) and GEMM1 loads them block by block through a
+tensor descriptor; with gemm2.a_tma, GEMM1 writes the intermediate in sorted order (S, Ni) and GEMM2
+loads it the same way. S = moe_align's sorted capacity (routes plus per-expert padding).
 """
 from __future__ import annotations
 
@@ -27,6 +31,7 @@ from moe_modular.experts.triton_common import (
     WorkspaceLayout,
     bytes_to_numel,
     check_device,
+    current_device,
     fuses_activation,
     h1_dtype,
     h1_view,
@@ -89,25 +94,41 @@ class TritonExperts(FusedMoEExpertsModular):
     def supports_chunking(self) -> bool:
         return True
 
-    def _layout(self, M: int, N2: int, K: int, topk: int, El: int) -> tuple[int, WorkspaceLayout]:
-        return self._layouts.get_or_make((M, N2, K, topk, El), lambda: self._make_layout(M, N2, K, topk, El))
+    def _layout(self, M: int, N2: int, K: int, topk: int, El: int,
+                sorting: tuple[bool, bool, int]) -> tuple[int, WorkspaceLayout]:
+        return self._layouts.get_or_make((M, N2, K, topk, El, sorting),
+                                         lambda: self._make_layout(M, N2, K, topk, El, sorting))
 
-    def _make_layout(self, M: int, N2: int, K: int, topk: int, El: int) -> tuple[int, WorkspaceLayout]:
+    def _make_layout(self, M: int, N2: int, K: int, topk: int, El: int,
+                     sorting: tuple[bool, bool, int]) -> tuple[int, WorkspaceLayout]:
+        from moe_modular.kernels.moe_align import sorted_capacity
+
+        sort_in, sort_mid, block_m = sorting
         R = M * topk
+        S = sorted_capacity(R, El, block_m) if (sort_in or sort_mid) else 0
+        item = self.moe.dtype.itemsize
         h1_bytes = 0 if self._fused(self.moe.activation) else R * N2 * h1_dtype(self.moe).itemsize
-        y_bytes = R * K * self.moe.dtype.itemsize
-        ws13_numel = bytes_to_numel(max(h1_bytes, y_bytes), self.moe.dtype)
-        ws2 = intermediate_regions(WorkspaceLayout(), R, N2 // 2, El, self.moe)
+        ws13_numel = bytes_to_numel(max(h1_bytes, R * K * item, S * K * item if sort_in else 0), self.moe.dtype)
+        ws2 = intermediate_regions(WorkspaceLayout(), S if sort_mid else R, N2 // 2, El, self.moe)
         return ws13_numel, _align_regions(ws2, R, El)
 
     def _fused(self, activation: Activation) -> bool:
         return fuses_activation(self.fuse_activation, self.moe.quant, activation)
 
+    def _sorting(self, cfg, activation: Activation) -> tuple[bool, bool, int]:
+        """(sort the tokens for GEMM1, keep the intermediate in sorted order, BLOCK_M): only where
+        GEMM1 writes the intermediate itself (fused activation) and the tiles load A by descriptor."""
+        fused = self._fused(activation)
+        sort_in, sort_mid = fused and bool(cfg.gemm1.a_tma), fused and bool(cfg.gemm2.a_tma)
+        return sort_in, sort_mid, cfg.block_m if (sort_in or sort_mid) else 0
+
     def workspace_shapes(self, M, N, K, topk, global_num_experts, local_num_experts, expert_tokens_meta):
         """workspace13 holds h1 (R, N2) (float32 for fp8 schemes; not stored when the first GEMM applies
-        the activation) then y (R, K); workspace2 the intermediate, its scales and the alignment
-        buffers. Output (M, K), already weighted and reduced."""
-        ws13, ws2 = self._layout(M, N, K, topk, local_num_experts)
+        the activation) or the sorted tokens (S, K), then y (R, K); workspace2 the intermediate ((R, Ni),
+        or (S, Ni) sorted), its scales and the alignment buffers. Output (M, K), already weighted and
+        reduced. Sized for the tiles of the current device (the one apply will run on)."""
+        cfg = self.tiles(M, local_num_experts, N // 2, K, topk, current_device())
+        ws13, ws2 = self._layout(M, N, K, topk, local_num_experts, self._sorting(cfg, self.moe.activation))
         return (ws13,), (ws2.numel(self.moe.dtype),), (M, K), self.moe.dtype
 
     def finalize_weight_and_reduce_impl(self):
@@ -139,6 +160,7 @@ class TritonExperts(FusedMoEExpertsModular):
         from moe_modular.kernels.moe_align import moe_align
         from moe_modular.kernels.moe_gemm import moe_gemm
         from moe_modular.kernels.moe_sum import moe_sum
+        from moe_modular.kernels.sort_rows import sort_rows
 
         check_device(hidden_states)
         T, K = hidden_states.shape
@@ -152,7 +174,14 @@ class TritonExperts(FusedMoEExpertsModular):
         q, modes = self.quant, self.modes
         group = q.config.block_shape if q.config.is_block else (1, 1)
         cfg = self.tiles(T, El, Ni, K, topk, hidden_states.device)
-        _, layout = self._layout(T, N2, K, topk, El)
+        sorting = self._sorting(cfg, activation)
+        ws13_numel, layout = self._layout(T, N2, K, topk, El, sorting)
+        if sorting[2] and (workspace13.numel() < ws13_numel or
+                           workspace2.numel() < layout.numel(workspace2.dtype)):
+            # sized for another device's tiles (workspace_shapes plans for the current device): route order
+            sorting = (False, False, 0)
+            _, layout = self._layout(T, N2, K, topk, El, sorting)
+        sort_in, sort_mid, _ = sorting
         y = overlapping_view(workspace13, (R, K), output.dtype)
         buf = layout.carve(workspace2)
         if not topk_ids.is_contiguous():
@@ -163,8 +192,12 @@ class TritonExperts(FusedMoEExpertsModular):
                      num_routes=R)
         inter_scale = buf.get("intermediate_scale", a2_scale)
         if self._fused(activation):
-            moe_gemm(hidden_states, w1, buf["intermediate"], self.tiles.fused_gemm1(cfg.gemm1), a_row_div=topk,
-                     fuse_activation=activation, **align)
+            a1 = hidden_states
+            if sort_in:  # workspace13's y is written only after GEMM1 is done with the sorted tokens
+                a1 = sort_rows(hidden_states, sorted_ids, num_post_padded, topk,
+                               overlapping_view(workspace13, (sorted_ids.numel(), K), hidden_states.dtype))
+            moe_gemm(a1, w1, buf["intermediate"], self.tiles.fused_gemm1(cfg.gemm1), a_row_div=topk,
+                     fuse_activation=activation, a_sorted=sort_in, c_sorted=sort_mid, **align)
         else:
             h1 = h1_view(workspace13, (R, N2), self.moe, self._fused(self.moe.activation), activation)
             moe_gemm(hidden_states, w1, h1, cfg.gemm1, a_scale=a1q_scale, a_scale_mode=modes.a1,
@@ -175,5 +208,5 @@ class TritonExperts(FusedMoEExpertsModular):
                         num_local_experts=El)
         moe_gemm(buf["intermediate"], w2, y, cfg.gemm2, a_scale=inter_scale, a_scale_mode=modes.a2,
                  b_scale=q.w2_scale, b_scale_mode=modes.w, group_shape=group, a_row_div=1,
-                 topk_weights_Tk=None if apply_router_weight_on_input else topk_weights, **align)
+                 topk_weights_Tk=None if apply_router_weight_on_input else topk_weights, a_sorted=sort_mid, **align)
         moe_sum(y, topk_ids, output, El, expert_map)

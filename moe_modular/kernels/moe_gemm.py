@@ -8,6 +8,10 @@ Shape legend:
 Two row layouts share one kernel:
   Standard: rows come from sorted_ids_S (moe_align): block b of BLOCK_M entries belongs to local
     expert block_expert_Mb[b]; entry s < R reads A row s // a_row_div and writes C row s; s == R pads.
+    Sorted A / C (a_sorted, c_sorted): the entry at position p of sorted_ids_S reads A row p / writes
+    C row p instead, so a block's rows are contiguous (a first GEMM writing the intermediate in sorted
+    order lets the second GEMM load it through a tensor descriptor); rows of padding entries are
+    neither read as data nor written (their contents are unspecified).
   Batched: A (El, Bt, Ko), C (El, Bt, No); expert e computes its first expert_num_tokens[e] rows.
 
 Scales (float32, multiplied to dequantize; quant.py gives the layouts):
@@ -74,6 +78,7 @@ class GemmTile:
     num_warps: int = 4
     num_stages: int = 3
     b_tma: int = 0  # 1: B tiles arrive through a tensor descriptor (TMA on Hopper) instead of pointers
+    a_tma: int = 0  # 1: A tiles too, where A's rows are contiguous per block (sorted A, batched format)
 
 
 @triton.jit
@@ -92,6 +97,7 @@ def _moe_gemm_kernel(
     A_SCALE: tl.constexpr, B_SCALE: tl.constexpr, GROUP_N: tl.constexpr, GROUP_K: tl.constexpr,
     MUL_WEIGHT: tl.constexpr, EVEN_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
     FUSE_ACT: tl.constexpr, ACTIVATION: tl.constexpr, B_TMA: tl.constexpr,
+    A_SORTED: tl.constexpr, C_SORTED: tl.constexpr, A_TMA: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
     # Tile order: GROUP_M row blocks share each column sweep (B tiles stay in L2).
@@ -112,6 +118,7 @@ def _moe_gemm_kernel(
         row_mask = offs_m < count
         a_row = offs_m.to(tl.int64)
         c_row = offs_m.to(tl.int64)
+        out_row = c_row
         a_e = expert.to(tl.int64)
     else:
         if pid_m * BLOCK_M >= tl.load(num_post_padded_ptr):
@@ -121,8 +128,15 @@ def _moe_gemm_kernel(
             return
         sid = tl.load(sorted_ids_ptr + offs_m)
         row_mask = sid < num_routes
-        a_row = (sid // A_ROW_DIV).to(tl.int64)
-        c_row = sid.to(tl.int64)
+        if A_SORTED:
+            a_row = offs_m.to(tl.int64)
+        else:
+            a_row = (sid // A_ROW_DIV).to(tl.int64)
+        c_row = sid.to(tl.int64)  # the route: its top-k weight
+        if C_SORTED:
+            out_row = offs_m.to(tl.int64)
+        else:
+            out_row = c_row
         a_e = 0
     e64 = expert.to(tl.int64)
 
@@ -130,7 +144,8 @@ def _moe_gemm_kernel(
     n_mask = offs_n < N
     offs_bn = offs_n % N  # wrap instead of masking the B loads; the columns past N are not stored
     offs_k = tl.arange(0, BLOCK_K)
-    a_ptrs = a_ptr + a_e * stride_ae + a_row[:, None] * stride_am + offs_k[None, :] * stride_ak
+    if not A_TMA:
+        a_ptrs = a_ptr + a_e * stride_ae + a_row[:, None] * stride_am + offs_k[None, :] * stride_ak
     if not B_TMA:
         b_ptrs = b_ptr + e64 * stride_be + offs_bn[None, :].to(tl.int64) * stride_bn + offs_k[:, None] * stride_bk
     as_row = a_scale_ptr + a_e * stride_ase + a_row * stride_asm
@@ -141,7 +156,12 @@ def _moe_gemm_kernel(
         acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         up_off = N * stride_bn
     for kt in range(0, tl.cdiv(K, BLOCK_K)):
-        if EVEN_K:
+        if A_TMA:  # boxes of A's contiguous block rows; columns past Ko read 0, masked rows are not stored
+            if BATCHED:
+                a = a_ptr.load([expert, pid_m * BLOCK_M, kt * BLOCK_K]).reshape(BLOCK_M, BLOCK_K)
+            else:
+                a = a_ptr.load([pid_m * BLOCK_M, kt * BLOCK_K])
+        elif EVEN_K:
             a = tl.load(a_ptrs, mask=row_mask[:, None], other=0.0)
         else:
             a = tl.load(a_ptrs, mask=row_mask[:, None] & (offs_k[None, :] < K - kt * BLOCK_K), other=0.0)
@@ -167,7 +187,8 @@ def _moe_gemm_kernel(
             acc += tl.dot(a, b) * (a_s[:, None] * b_s[None, :])
         else:
             acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
-        a_ptrs += BLOCK_K * stride_ak
+        if not A_TMA:
+            a_ptrs += BLOCK_K * stride_ak
         if not B_TMA:
             b_ptrs += BLOCK_K * stride_bk
 
@@ -188,7 +209,7 @@ def _moe_gemm_kernel(
                     mask=row_mask, other=0.0)
         acc = acc * w.to(tl.float32)[:, None]
 
-    c_ptrs = c_ptr + a_e * stride_ce + c_row[:, None] * stride_cm + offs_n[None, :] * stride_cn
+    c_ptrs = c_ptr + a_e * stride_ce + out_row[:, None] * stride_cm + offs_n[None, :] * stride_cn
     tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=row_mask[:, None] & n_mask[None, :])
 
 
@@ -204,19 +225,19 @@ def gpu_has_tma(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
 
 
-def _b_descriptor(b_ENK: torch.Tensor, tile: GemmTile) -> Optional["TensorDescriptor"]:
-    """A (1, BLOCK_N, BLOCK_K) tensor descriptor over b_ENK, or None where TMA cannot address it (the
-    kernel then loads B through pointers: same values, no TMA): a GPU before Hopper, or a layout whose
-    last stride is not 1 or whose base / other strides are not 16-byte aligned."""
+def _descriptor(t: torch.Tensor, block: list[int]) -> Optional["TensorDescriptor"]:
+    """A tensor descriptor over t with boxes of `block`, or None where TMA cannot address t (the
+    kernel then loads it through pointers: same values, no TMA): a GPU before Hopper, or a layout
+    whose last stride is not 1 or whose base / other strides are not 16-byte aligned."""
     from triton.tools.tensor_descriptor import TensorDescriptor
 
-    if b_ENK.device.type == "cuda" and not gpu_has_tma(b_ENK.device):  # the interpreter emulates descriptors
+    if t.device.type == "cuda" and not gpu_has_tma(t.device):  # the interpreter emulates descriptors
         return None
-    item = b_ENK.element_size()
-    se, sn, sk = b_ENK.stride()
-    if sk != 1 or (se * item) % 16 or (sn * item) % 16 or b_ENK.data_ptr() % 16:
+    item = t.element_size()
+    *outer, last = t.stride()
+    if last != 1 or any((s * item) % 16 for s in outer) or t.data_ptr() % 16:
         return None
-    return TensorDescriptor(b_ENK, list(b_ENK.shape), [se, sn, sk], [1, tile.BLOCK_N, tile.BLOCK_K])
+    return TensorDescriptor(t, list(t.shape), list(t.stride()), block)
 
 
 def _a_scale_strides(scale: Optional[torch.Tensor], mode: AScale, batched: bool) -> tuple[int, int, int]:
@@ -247,6 +268,8 @@ def moe_gemm(
     num_routes: int = 0,
     expert_num_tokens_El: Optional[torch.Tensor] = None,
     fuse_activation: Optional[Activation] = None,
+    a_sorted: bool = False,
+    c_sorted: bool = False,
 ) -> torch.Tensor:
     """Launch one grouped GEMM; returns c.
 
@@ -258,6 +281,10 @@ def moe_gemm(
     fuse_activation (SiLU or GELU, unquantized only): b_ENK holds the gate rows then the up rows
       (El, 2 * No, Ko) and c gets act(a @ gate.T) * (a @ up.T), (rows, No); tile.BLOCK_N counts c's
       columns (each program reads 2 * BLOCK_N rows of b_ENK).
+    a_sorted / c_sorted (standard): A / C rows in sorted order (row p for position p of sorted_ids_S;
+      a or c then has sorted_ids_S.numel() rows); the A scale, if per row, is in the same order as A.
+    tile.b_tma / tile.a_tma: B / A tiles through tensor descriptors where TMA can address them (A: only
+      with a_sorted or batched, whose block rows are contiguous); elsewhere pointers, same values.
     """
     batched = expert_num_tokens_El is not None
     if batched == (sorted_ids_S is not None):
@@ -281,6 +308,13 @@ def moe_gemm(
         if b_scale_mode is not BScale.BLOCK or group_k % tile.BLOCK_K:
             raise ValueError(
                 f"group scales need block weight scales and BLOCK_K ({tile.BLOCK_K}) dividing group_k ({group_k})")
+    if a_sorted or c_sorted:
+        if batched:
+            raise ValueError("a_sorted / c_sorted are for the standard format (batched rows are already per expert)")
+        S = sorted_ids_S.numel()
+        for flag, on, t in (("a_sorted", a_sorted, a), ("c_sorted", c_sorted, c)):
+            if on and t.shape[0] < S:
+                raise ValueError(f"{flag} needs {flag[0]} with sorted_ids_S.numel() ({S}) rows, got {t.shape[0]}")
     if tile.BLOCK_M & (tile.BLOCK_M - 1) or tile.BLOCK_N & (tile.BLOCK_N - 1) or tile.BLOCK_K & (tile.BLOCK_K - 1):
         raise ValueError(f"tile {tile} must have power-of-two blocks")
     if batched:
@@ -306,9 +340,12 @@ def moe_gemm(
     topk = topk_weights_Tk.shape[1] if topk_weights_Tk is not None else 1
     sw = topk_weights_Tk.stride() if topk_weights_Tk is not None else (0, 0)
     is_fp32 = a.dtype == torch.float32 and b_ENK.dtype == torch.float32
-    b_arg = _b_descriptor(b_ENK, tile) if tile.b_tma else None
+    b_arg = _descriptor(b_ENK, [1, tile.BLOCK_N, tile.BLOCK_K]) if tile.b_tma else None
+    a_arg = None
+    if tile.a_tma and (batched or a_sorted):
+        a_arg = _descriptor(a, [1, tile.BLOCK_M, tile.BLOCK_K] if batched else [tile.BLOCK_M, tile.BLOCK_K])
     _moe_gemm_kernel[grid](
-        a, b_arg if b_arg is not None else b_ENK, c,
+        a_arg if a_arg is not None else a, b_arg if b_arg is not None else b_ENK, c,
         a_scale if a_scale is not None else dummy,
         b_scale if b_scale is not None else dummy,
         topk_weights_Tk if topk_weights_Tk is not None else dummy,
@@ -329,7 +366,7 @@ def moe_gemm(
         MUL_WEIGHT=topk_weights_Tk is not None, EVEN_K=Ko % tile.BLOCK_K == 0,
         DOT_PRECISION="ieee" if is_fp32 else "tf32",
         FUSE_ACT=fuse_activation is not None, ACTIVATION=_ACT_CODE[fuse_activation or Activation.SILU],
-        B_TMA=b_arg is not None,
+        B_TMA=b_arg is not None, A_SORTED=a_sorted, C_SORTED=c_sorted, A_TMA=a_arg is not None,
         BLOCK_M=tile.BLOCK_M, BLOCK_N=tile.BLOCK_N, BLOCK_K=tile.BLOCK_K, GROUP_M=tile.GROUP_M,
         num_warps=tile.num_warps, num_stages=tile.num_stages,
     )
