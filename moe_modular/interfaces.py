@@ -143,6 +143,11 @@ class FusedMoEPrepareAndFinalizeModular(ABC):
     ) -> None:
         """Write the final (T, K) result of this rank's tokens into `output`."""
 
+    def finalize_passes_through(self, weight_and_reduce_impl: TopKWeightAndReduce) -> bool:
+        """True when finalize, with this impl, only copies a (T, K) fused output that is already final
+        into `output`; the modular kernel then has the experts write `output` itself (no copy)."""
+        return False
+
     @classmethod
     @abstractmethod
     def activation_format(cls) -> ActivationFormat:

@@ -112,7 +112,7 @@ class FusedMoEModularKernel(torch.nn.Module):
 
         with phase("experts"):
             fused_out = self._run_experts(prepared, w1, w2, topk_weights, topk_ids, activation,
-                                          global_num_experts, expert_map, apply_router_weight_on_input)
+                                          global_num_experts, expert_map, apply_router_weight_on_input, output)
 
         with phase("finalize"):
             pf.finalize(output, fused_out, topk_weights, topk_ids, apply_router_weight_on_input,
@@ -120,6 +120,13 @@ class FusedMoEModularKernel(torch.nn.Module):
         if self.shared_experts is not None:
             return shared_output, output
         return output
+
+    def _writes_output_directly(self, output: torch.Tensor, out_shape, fe, a1q: torch.Tensor) -> bool:
+        """Whether the experts can write the caller's output: finalize would only copy their final (T, K)
+        result there, and output does not share memory with the experts' input (inplace)."""
+        return (self.prepare_finalize.finalize_passes_through(fe.finalize_weight_and_reduce_impl())
+                and tuple(output.shape) == tuple(out_shape) and output.dtype == fe.moe.dtype
+                and output.untyped_storage().data_ptr() != a1q.untyped_storage().data_ptr())
 
     # ------------------------------------------------------------------------------------
     def _check_inputs(self, hidden_states, w1, w2, topk_weights, topk_ids, expert_map, apply_router_weight_on_input):
@@ -148,7 +155,7 @@ class FusedMoEModularKernel(torch.nn.Module):
             raise ValueError(f"{type(self.fused_experts).__name__} does not support expert_map")
 
     def _run_experts(self, prepared: PrepareResult, w1, w2, topk_weights, topk_ids, activation,
-                     global_num_experts, expert_map, apply_router_weight_on_input) -> torch.Tensor:
+                     global_num_experts, expert_map, apply_router_weight_on_input, output) -> torch.Tensor:
         fe = self.fused_experts
         a1q = prepared.a1q
         if prepared.topk_ids is not None:
@@ -169,7 +176,10 @@ class FusedMoEModularKernel(torch.nn.Module):
         if chunk != M:  # the output covers every chunk
             out_shape = fe.workspace_shapes(M, N2, K, topk, global_num_experts, El, meta)[2]
         dev = a1q.device
-        fused_out = self.workspaces.get("fused_out", tuple(out_shape), fe.moe.dtype, dev)
+        if self._writes_output_directly(output, out_shape, fe, a1q):
+            fused_out = output
+        else:
+            fused_out = self.workspaces.get("fused_out", tuple(out_shape), fe.moe.dtype, dev)
         if M == 0:
             return fused_out
         ws13 = self.workspaces.get("workspace13", tuple(ws13_shape), ws_dtype, dev)

@@ -253,6 +253,29 @@ def test_triton_experts_chunked_through_the_modular_kernel():
     assert cache.num_allocations == allocations, "a second forward of the same size allocated workspaces"
 
 
+@pytest.mark.parametrize("mode", ["output", "inplace", "chunked"])
+def test_experts_write_the_callers_output_when_finalize_would_only_copy(mode, monkeypatch):
+    # NoEP + TritonExperts (weighted and reduced already): the experts write `output` itself and
+    # finalize has nothing to copy; inplace (output is the experts' input) goes through a workspace.
+    c = Case(7, 5, 2)
+    moe, qp, x, w1, w2, tw, ti, _ = make_inputs(c, seed=12)
+    seen = []
+    real = MoEPrepareAndFinalizeNoEP.finalize
+    monkeypatch.setattr(MoEPrepareAndFinalizeNoEP, "finalize",
+                        lambda self, out, fused, *a: seen.append(fused.data_ptr() == out.data_ptr()) or real(
+                            self, out, fused, *a))
+    ref = _reference(c, qp, x, w1, w2, tw, ti, None)
+    mk = FusedMoEModularKernel(MoEPrepareAndFinalizeNoEP(), TritonExperts(moe, qp),
+                               workspaces=WorkspaceCache(poison=float("nan")), chunk_size=3 if mode == "chunked" else 64)
+    if mode == "inplace":
+        out = mk(x.clone(), w1, w2, tw, ti, inplace=True)
+    else:
+        out = mk(x, w1, w2, tw, ti, output=torch.full_like(x, float("nan")))
+    assert seen == [mode != "inplace"]
+    assert torch.isfinite(out).all()
+    assert ((out.float() - ref).norm() / ref.norm()).item() <= tolerance(c.dtype, c.quant)
+
+
 def test_fixed_tiles_override_the_tables():
     # A fixed tile config with a K tile larger than the fp8 group is capped to the group at use.
     c = Case(3, 4, 2, quant=QuantConfig.fp8_block((64, 32)))

@@ -17,7 +17,11 @@ from moe_modular.interfaces import (
 )
 from moe_modular.prepare_finalize.common import apply_weight_on_input
 from moe_modular.quant import MoEQuantParams, quantize_activations
-from moe_modular.weight_and_reduce import TopKWeightAndReduceContiguous, resolve_weight_and_reduce
+from moe_modular.weight_and_reduce import (
+    TopKWeightAndReduceContiguous,
+    TopKWeightAndReduceNoOp,
+    resolve_weight_and_reduce,
+)
 
 
 class MoEPrepareAndFinalizeNoEP(FusedMoEPrepareAndFinalizeModular):
@@ -45,6 +49,10 @@ class MoEPrepareAndFinalizeNoEP(FusedMoEPrepareAndFinalizeModular):
                  weight_and_reduce_impl) -> None:
         impl = resolve_weight_and_reduce(weight_and_reduce_impl, TopKWeightAndReduceContiguous())
         impl.apply(output, fused_expert_output, topk_weights, topk_ids, apply_router_weight_on_input)
+
+    def finalize_passes_through(self, weight_and_reduce_impl) -> bool:
+        impl = resolve_weight_and_reduce(weight_and_reduce_impl, TopKWeightAndReduceContiguous())
+        return isinstance(impl, TopKWeightAndReduceNoOp)
 
     @classmethod
     def activation_format(cls) -> ActivationFormat:
