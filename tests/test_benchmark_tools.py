@@ -190,9 +190,11 @@ def test_tune_space_is_pruned():
     for t in tune_moe.candidates("full", 2, 1024.0, None, None, 0):
         assert t[5] * (t[0] * t[2] + t[2] * t[1]) * 2 <= tune_moe.SMEM_BYTES
     assert len(tune_moe.candidates("full", 2, 1024.0, None, 7, 0)) == 7
-    # each tile once per weight-load path, the path as the last GemmTile field
+    # each tile once per weight-load path and activation-load path, the two last GemmTile fields
     one, both = (tune_moe.candidates("small", 2, 64.0, None, None, 0, b_tma) for b_tma in ((0,), (0, 1)))
-    assert {t[-1] for t in one} == {0} and sorted(both) == sorted(one + [t[:-1] + (1,) for t in one])
+    assert {t[-2:] for t in one} == {(0, 0)} and sorted(both) == sorted(one + [t[:-2] + (1, 0) for t in one])
+    four = tune_moe.candidates("small", 2, 64.0, None, None, 0, (0, 1), (0, 1))
+    assert sorted(four) == sorted(both + [t[:-1] + (1,) for t in both])
 
 
 # ---- tools/ab_tiles.py --------------------------------------------------------------------------
