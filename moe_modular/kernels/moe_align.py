@@ -3,7 +3,8 @@
 Shape legend:
   T tokens   k topk   R = T * k routes (route r = token r // k, slot r % k)
   E global experts    El local experts    Eb histogram bins (next power of two >= El)
-  P route chunks of ALIGN_BLOCK routes    S sorted-id capacity    Mb blocks of BLOCK_M rows
+  P route chunks of ALIGN_BLOCK routes (scatter)    C count chunks of COUNT_GROUP route chunks
+  S sorted-id capacity    Mb blocks of BLOCK_M rows
 
 Output layout (what the grouped GEMM reads):
   sorted_ids_S   int32: for each local expert in order, the ids of its routes (ascending), then
@@ -27,8 +28,12 @@ import triton.language as tl
 
 from moe_modular.kernels.host import cdiv, next_pow2
 
-# Routes per program in the count and scatter kernels (the in-chunk rank is a BLOCK x BLOCK compare).
+# Routes per program in the scatter kernel (the in-chunk rank is a BLOCK x BLOCK compare).
 ALIGN_BLOCK = 128
+# Route chunks per count chunk: the count kernel histograms COUNT_GROUP * ALIGN_BLOCK routes per program,
+# so the one-program prefix scan walks COUNT_GROUP times fewer rows; a scatter program recounts the
+# (at most COUNT_GROUP - 1) earlier route chunks of its count chunk.
+COUNT_GROUP = 8
 
 
 def num_bins(num_local_experts: int) -> int:
@@ -51,7 +56,13 @@ def sorted_capacity(num_routes: int, num_local_experts: int, block_m: int) -> in
 
 
 def num_chunks(num_routes: int) -> int:
+    """Route chunks (scatter programs)."""
     return cdiv(num_routes, ALIGN_BLOCK)
+
+
+def num_count_chunks(num_routes: int) -> int:
+    """Count chunks (count programs, rows of the prefix scan)."""
+    return cdiv(num_routes, ALIGN_BLOCK * COUNT_GROUP)
 
 
 @triton.jit
@@ -69,7 +80,7 @@ def _local_expert_of_route(topk_ids_ptr, expert_map_ptr, offs, num_routes, num_l
 @triton.jit
 def _align_count_kernel(topk_ids_ptr, expert_map_ptr, counts_ptr, num_routes, num_local_experts,
                         HAS_MAP: tl.constexpr, NUM_BINS: tl.constexpr, BLOCK: tl.constexpr):
-    """counts_PEb[p, e] = routes of chunk p whose local expert is e."""
+    """counts_CEb[c, e] = routes of count chunk c (BLOCK routes) whose local expert is e."""
     pid = tl.program_id(0)
     offs = pid * BLOCK + tl.arange(0, BLOCK)
     expert, valid = _local_expert_of_route(topk_ids_ptr, expert_map_ptr, offs, num_routes, num_local_experts,
@@ -83,8 +94,8 @@ def _align_offsets_kernel(counts_ptr, expert_start_ptr, sorted_ids_ptr, block_ex
                           num_chunks, num_routes, num_blocks,
                           NUM_BINS: tl.constexpr, BLOCK_M: tl.constexpr, ROWS: tl.constexpr,
                           BLOCKS_PER_ITER: tl.constexpr):
-    """One program: turn counts_PEb into per-chunk exclusive prefixes (in place), write each expert's
-    padded start, num_post_padded, the expert of every block and the sentinel padding."""
+    """One program: turn counts_CEb into per-count-chunk exclusive prefixes (in place), write each
+    expert's padded start, num_post_padded, the expert of every block and the sentinel padding."""
     bins = tl.arange(0, NUM_BINS)
     running = tl.zeros((NUM_BINS,), dtype=tl.int32)
     for p0 in range(0, num_chunks, ROWS):
@@ -153,15 +164,25 @@ def _align_small_kernel(topk_ids_ptr, expert_map_ptr, expert_start_ptr, sorted_i
 @triton.jit
 def _align_scatter_kernel(topk_ids_ptr, expert_map_ptr, prefix_ptr, expert_start_ptr, sorted_ids_ptr,
                           num_routes, num_local_experts,
-                          HAS_MAP: tl.constexpr, NUM_BINS: tl.constexpr, BLOCK: tl.constexpr):
-    """Place every held route at start[e] + (routes of e in earlier chunks) + (rank within the chunk)."""
+                          HAS_MAP: tl.constexpr, NUM_BINS: tl.constexpr, BLOCK: tl.constexpr,
+                          COUNT_GROUP: tl.constexpr):
+    """Place every held route at start[e] + (routes of e in earlier count chunks) + (routes of e in the
+    earlier route chunks of this count chunk) + (rank within the chunk)."""
     pid = tl.program_id(0)
     offs = pid * BLOCK + tl.arange(0, BLOCK)
     expert, valid = _local_expert_of_route(topk_ids_ptr, expert_map_ptr, offs, num_routes, num_local_experts,
                                            HAS_MAP)
     rank = _rank_in_block(expert, valid, BLOCK)
+    first = (pid // COUNT_GROUP) * COUNT_GROUP
+    earlier = tl.zeros((NUM_BINS,), dtype=tl.int32)
+    for q in range(first, pid):
+        e_q, v_q = _local_expert_of_route(topk_ids_ptr, expert_map_ptr, q * BLOCK + tl.arange(0, BLOCK), num_routes,
+                                          num_local_experts, HAS_MAP)
+        earlier += tl.histogram(e_q, NUM_BINS, mask=v_q).to(tl.int32)
+    bins = tl.arange(0, NUM_BINS)
+    rank += tl.sum(tl.where(bins[None, :] == expert[:, None], earlier[None, :], 0), axis=1)
     base = tl.load(expert_start_ptr + expert, mask=valid, other=0)
-    base += tl.load(prefix_ptr + pid * NUM_BINS + expert, mask=valid, other=0)
+    base += tl.load(prefix_ptr + (pid // COUNT_GROUP) * NUM_BINS + expert, mask=valid, other=0)
     tl.store(sorted_ids_ptr + base + rank, offs, mask=valid)
 
 
@@ -172,7 +193,7 @@ def align_workspace_numel(num_routes: int, num_local_experts: int, block_m: int)
         "block_expert": max(max_num_blocks(num_routes, num_local_experts, block_m), 1),
         "num_post_padded": 1,
         "expert_start": num_bins(num_local_experts),
-        "counts": max(num_chunks(num_routes), 1) * num_bins(num_local_experts),
+        "counts": max(num_count_chunks(num_routes), 1) * num_bins(num_local_experts),
     }
 
 
@@ -221,14 +242,16 @@ def moe_align(
                                   BLOCK=max(16, next_pow2(R)), BLOCKS_PER_ITER=blocks_per_iter,
                                   num_warps=4 if Eb * block_m <= 8192 else 8)
         return sorted_ids, block_expert, num_post_padded
-    counts = buffers["counts"][: P * Eb]
-    _align_count_kernel[(P,)](ids, emap, counts, R, El, HAS_MAP=has_map, NUM_BINS=Eb, BLOCK=ALIGN_BLOCK)
-    rows = max(1, min(next_pow2(P), 4096 // Eb))
-    _align_offsets_kernel[(1,)](counts, start, sorted_ids, block_expert, num_post_padded, P, R,
+    C = num_count_chunks(R)
+    counts = buffers["counts"][: C * Eb]
+    _align_count_kernel[(C,)](ids, emap, counts, R, El, HAS_MAP=has_map, NUM_BINS=Eb,
+                              BLOCK=ALIGN_BLOCK * COUNT_GROUP)
+    rows = max(1, min(next_pow2(C), 4096 // Eb))
+    _align_offsets_kernel[(1,)](counts, start, sorted_ids, block_expert, num_post_padded, C, R,
                                 sizes["block_expert"], NUM_BINS=Eb, BLOCK_M=block_m, ROWS=rows,
                                 BLOCKS_PER_ITER=blocks_per_iter, num_warps=8)
     _align_scatter_kernel[(P,)](ids, emap, counts, start, sorted_ids, R, El, HAS_MAP=has_map, NUM_BINS=Eb,
-                                BLOCK=ALIGN_BLOCK)
+                                BLOCK=ALIGN_BLOCK, COUNT_GROUP=COUNT_GROUP)
     return sorted_ids, block_expert, num_post_padded
 
 
