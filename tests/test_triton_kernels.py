@@ -46,7 +46,8 @@ ALIGN_CASES = [
     (9, 3, 5, 16, "local-1"),  # local ids with -1 (routes held elsewhere)
     (100, 3, 7, 16, None),  # R = 300 > ALIGN_BLOCK: the three-launch path with prefixes across chunks
     (70, 4, 6, 64, "half"),  # multi-chunk with a map and a wide block
-    (300, 4, 9, 16, "half"),  # R = 1200 > ALIGN_BLOCK * COUNT_GROUP: prefixes across count chunks too
+    (300, 4, 9, 16, "half"),  # R = 1200: one route chunk per count chunk (below GROUPED_FROM chunks)
+    (2100, 8, 16, 64, None),  # R = 16800: 132 route chunks in count chunks of COUNT_GROUP
 ]
 
 

@@ -3,7 +3,7 @@
 Shape legend:
   T tokens   k topk   R = T * k routes (route r = token r // k, slot r % k)
   E global experts    El local experts    Eb histogram bins (next power of two >= El)
-  P route chunks of ALIGN_BLOCK routes (scatter)    C count chunks of COUNT_GROUP route chunks
+  P route chunks of ALIGN_BLOCK routes (scatter)    C count chunks of count_group(R) route chunks
   S sorted-id capacity    Mb blocks of BLOCK_M rows
 
 Output layout (what the grouped GEMM reads):
@@ -30,10 +30,12 @@ from moe_modular.kernels.host import cdiv, next_pow2
 
 # Routes per program in the scatter kernel (the in-chunk rank is a BLOCK x BLOCK compare).
 ALIGN_BLOCK = 128
-# Route chunks per count chunk: the count kernel histograms COUNT_GROUP * ALIGN_BLOCK routes per program,
-# so the one-program prefix scan walks COUNT_GROUP times fewer rows; a scatter program recounts the
-# (at most COUNT_GROUP - 1) earlier route chunks of its count chunk.
+# Route chunks per count chunk from GROUPED_FROM route chunks on: the count kernel histograms
+# COUNT_GROUP * ALIGN_BLOCK routes per program, so the one-program prefix scan walks COUNT_GROUP times
+# fewer rows; a scatter program recounts the (at most COUNT_GROUP - 1) earlier route chunks of its
+# count chunk, which costs more than it saves below GROUPED_FROM chunks.
 COUNT_GROUP = 8
+GROUPED_FROM = 128
 
 
 def num_bins(num_local_experts: int) -> int:
@@ -60,9 +62,14 @@ def num_chunks(num_routes: int) -> int:
     return cdiv(num_routes, ALIGN_BLOCK)
 
 
+def count_group(num_routes: int) -> int:
+    """Route chunks per count chunk."""
+    return COUNT_GROUP if num_chunks(num_routes) >= GROUPED_FROM else 1
+
+
 def num_count_chunks(num_routes: int) -> int:
     """Count chunks (count programs, rows of the prefix scan)."""
-    return cdiv(num_routes, ALIGN_BLOCK * COUNT_GROUP)
+    return cdiv(num_routes, ALIGN_BLOCK * count_group(num_routes))
 
 
 @triton.jit
@@ -242,16 +249,15 @@ def moe_align(
                                   BLOCK=max(16, next_pow2(R)), BLOCKS_PER_ITER=blocks_per_iter,
                                   num_warps=4 if Eb * block_m <= 8192 else 8)
         return sorted_ids, block_expert, num_post_padded
-    C = num_count_chunks(R)
+    C, G = num_count_chunks(R), count_group(R)
     counts = buffers["counts"][: C * Eb]
-    _align_count_kernel[(C,)](ids, emap, counts, R, El, HAS_MAP=has_map, NUM_BINS=Eb,
-                              BLOCK=ALIGN_BLOCK * COUNT_GROUP)
+    _align_count_kernel[(C,)](ids, emap, counts, R, El, HAS_MAP=has_map, NUM_BINS=Eb, BLOCK=ALIGN_BLOCK * G)
     rows = max(1, min(next_pow2(C), 4096 // Eb))
     _align_offsets_kernel[(1,)](counts, start, sorted_ids, block_expert, num_post_padded, C, R,
                                 sizes["block_expert"], NUM_BINS=Eb, BLOCK_M=block_m, ROWS=rows,
                                 BLOCKS_PER_ITER=blocks_per_iter, num_warps=8)
     _align_scatter_kernel[(P,)](ids, emap, counts, start, sorted_ids, R, El, HAS_MAP=has_map, NUM_BINS=Eb,
-                                BLOCK=ALIGN_BLOCK, COUNT_GROUP=COUNT_GROUP)
+                                BLOCK=ALIGN_BLOCK, COUNT_GROUP=G)
     return sorted_ids, block_expert, num_post_padded
 
 
