@@ -27,14 +27,13 @@ from tools.benchmark_moe import (
     QUANTS,
     SHAPES,
     SMOKE_SHAPES,
-    Timer,
     make_inputs,
     make_weights,
     n_sets_for,
     resolve_shapes_and_quants,
     write_csv,
 )
-from tools.tune_moe import Trial, incumbent
+from tools.tune_moe import Trial, incumbent, trial_context
 
 GEMMS = ("gemm1", "gemm2")
 SMOKE_VARIANT = ["b_tma=1"]
@@ -141,12 +140,7 @@ def table(rows: list[dict]) -> str:
 
 def main(argv=None) -> int:
     args, shapes = parse_args(argv)
-    from moe_modular.tile_config import TileConfigTable, device_name
-
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    timer = Timer(device, args.rep_ms, min_reps=1 if args.smoke else 5, max_reps=100)
-    shipped, dev_key = TileConfigTable.load(), device_name(device)
-    os.makedirs(args.out, exist_ok=True)
+    device, timer, shipped, dev_key = trial_context(args)
     rows: list[dict] = []
     for shape_key in args.shapes:
         shape = shapes[shape_key]

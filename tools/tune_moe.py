@@ -195,6 +195,16 @@ def parse_args(argv=None):
     return args, shapes
 
 
+def trial_context(args):
+    """(device, timer, shipped tables, device table key) for timing trials; makes args.out."""
+    from moe_modular.tile_config import TileConfigTable, device_name
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    timer = Timer(device, args.rep_ms, min_reps=1 if args.smoke else 5, max_reps=100)
+    os.makedirs(args.out, exist_ok=True)
+    return device, timer, TileConfigTable.load(), device_name(device)
+
+
 def main(argv=None) -> int:
     args, shapes = parse_args(argv)
     if args.smoke and not torch.cuda.is_available():
@@ -203,13 +213,9 @@ def main(argv=None) -> int:
         use_interpreter()
     from tests.modular_kernel_tools.progress import ProgressBar
 
-    from moe_modular.tile_config import TileConfig, TileConfigTable, device_name
+    from moe_modular.tile_config import TileConfig, TileConfigTable
 
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    shipped = TileConfigTable.load()
-    timer = Timer(device, args.rep_ms, min_reps=1 if args.smoke else 5, max_reps=100)
-    dev_key = device_name(device)
-    os.makedirs(args.out, exist_ok=True)
+    device, timer, shipped, dev_key = trial_context(args)
     deadline = time.monotonic() + args.budget_s if args.budget_s else math.inf
     trials: list[dict] = []
     written: list[str] = []

@@ -152,6 +152,13 @@ def _rank_in_block(expert, valid, BLOCK: tl.constexpr):
 
 
 @triton.jit
+def _per_lane(per_bin, expert, NUM_BINS: tl.constexpr):
+    """per_bin[expert] for each lane (a register gather from a (NUM_BINS,) vector)."""
+    bins = tl.arange(0, NUM_BINS)
+    return tl.sum(tl.where(bins[None, :] == expert[:, None], per_bin[None, :], 0), axis=1)
+
+
+@triton.jit
 def _align_small_kernel(topk_ids_ptr, expert_map_ptr, expert_start_ptr, sorted_ids_ptr, block_expert_ptr,
                         num_post_padded_ptr, num_routes, num_local_experts, num_blocks,
                         HAS_MAP: tl.constexpr, NUM_BINS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK: tl.constexpr,
@@ -163,8 +170,7 @@ def _align_small_kernel(topk_ids_ptr, expert_map_ptr, expert_start_ptr, sorted_i
     count = tl.histogram(expert, NUM_BINS, mask=valid).to(tl.int32)
     start = _write_layout(count, expert_start_ptr, sorted_ids_ptr, block_expert_ptr, num_post_padded_ptr,
                           num_routes, num_blocks, NUM_BINS, BLOCK_M, BLOCKS_PER_ITER)
-    bins = tl.arange(0, NUM_BINS)
-    base = tl.sum(tl.where(bins[None, :] == expert[:, None], start[None, :], 0), axis=1)
+    base = _per_lane(start, expert, NUM_BINS)
     tl.store(sorted_ids_ptr + base + _rank_in_block(expert, valid, BLOCK), offs, mask=valid)
 
 
@@ -186,8 +192,7 @@ def _align_scatter_kernel(topk_ids_ptr, expert_map_ptr, prefix_ptr, expert_start
         e_q, v_q = _local_expert_of_route(topk_ids_ptr, expert_map_ptr, q * BLOCK + tl.arange(0, BLOCK), num_routes,
                                           num_local_experts, HAS_MAP)
         earlier += tl.histogram(e_q, NUM_BINS, mask=v_q).to(tl.int32)
-    bins = tl.arange(0, NUM_BINS)
-    rank += tl.sum(tl.where(bins[None, :] == expert[:, None], earlier[None, :], 0), axis=1)
+    rank += _per_lane(earlier, expert, NUM_BINS)
     base = tl.load(expert_start_ptr + expert, mask=valid, other=0)
     base += tl.load(prefix_ptr + (pid // COUNT_GROUP) * NUM_BINS + expert, mask=valid, other=0)
     tl.store(sorted_ids_ptr + base + rank, offs, mask=valid)
