@@ -263,12 +263,20 @@ def test_act_and_mul_routes_skip_rows_not_held_and_scale_per_expert():
 
 
 # ---- moe_sum --------------------------------------------------------------------------------
+@pytest.mark.parametrize("blocks", ["launch", "gpu"])
 @pytest.mark.parametrize("T,k,K,kind", [
     (1, 1, 24, None),  # M=1, topk=1
     (5, 3, 300, "map"),  # K not a multiple of the block; expert_map -1 experts
     (6, 2, 40, "local-1"),  # local ids with -1
+    (37, 8, 200, None),  # topk 8, several token blocks
 ])
-def test_moe_sum_ignores_routes_not_held(T, k, K, kind):
+def test_moe_sum_ignores_routes_not_held(T, k, K, kind, blocks, monkeypatch):
+    # blocks "gpu": the block sizes a GPU launch picks (small blocks for small batches), whatever the device
+    from moe_modular.kernels import moe_sum as sum_module
+
+    if blocks == "gpu":
+        real = sum_module.sum_blocks
+        monkeypatch.setattr(sum_module, "sum_blocks", lambda T, K, gpu: real(T, K, True))
     g = _gen(9)
     El = 3
     ids = torch.randint(0, 2 * El if kind == "map" else El, (T, k), generator=g, dtype=torch.int32)
@@ -283,6 +291,18 @@ def test_moe_sum_ignores_routes_not_held(T, k, K, kind):
     ref = moe_sum_torch(y, ids, El, None if emap is None else emap.cpu())
     assert torch.isfinite(out).all()
     assert _rel(out.cpu(), ref) <= torch.finfo(torch.bfloat16).eps
+
+
+def test_moe_sum_blocks_spread_small_batches_over_the_gpu():
+    from moe_modular.kernels.host import cdiv
+    from moe_modular.kernels.moe_sum import MAX_BLOCK, MIN_BLOCK, TARGET_PROGRAMS, sum_blocks
+
+    for T, K in ((1, 2048), (8, 2048), (64, 7168), (16384, 2048)):
+        bt, bk, warps = sum_blocks(T, K, True)
+        programs, elems = cdiv(T, bt) * cdiv(K, bk), bt * bk
+        assert MIN_BLOCK <= elems <= MAX_BLOCK and 1 <= warps <= 4
+        assert programs >= TARGET_PROGRAMS or elems == MIN_BLOCK, (T, K, bt, bk)
+        assert elems == MAX_BLOCK or cdiv(T * K, 2 * elems) < TARGET_PROGRAMS  # no smaller than it needs
 
 
 @B_TMA

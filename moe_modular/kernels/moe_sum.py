@@ -14,24 +14,30 @@ import triton.language as tl
 
 from moe_modular.kernels.host import cdiv, next_pow2
 
+# Programs a launch aims for on a GPU: small batches are split into blocks of down to MIN_BLOCK elements
+# so that enough loads are in flight (a handful of programs looping over the routes is latency-bound).
+TARGET_PROGRAMS = 256
+MIN_BLOCK = 128
+MAX_BLOCK = 4096
+
 
 @triton.jit
-def _moe_sum_kernel(y_ptr, out_ptr, topk_ids_ptr, expert_map_ptr, T, K, topk, num_local_experts,
+def _moe_sum_kernel(y_ptr, out_ptr, topk_ids_ptr, expert_map_ptr, T, K, num_local_experts,
                     stride_ym, stride_yk, stride_om, stride_ok, stride_it, stride_ik,
-                    HAS_MAP: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr):
+                    HAS_MAP: tl.constexpr, TOPK: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr):
     offs_t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     offs_k = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
     t_mask = offs_t < T
     k_mask = offs_k < K
     t64 = offs_t.to(tl.int64)
     acc = tl.zeros((BLOCK_T, BLOCK_K), dtype=tl.float32)
-    for j in range(0, topk):
+    for j in tl.static_range(TOPK):  # unrolled: the k route loads are independent and overlap
         ids = tl.load(topk_ids_ptr + t64 * stride_it + j * stride_ik, mask=t_mask, other=-1).to(tl.int32)
         if HAS_MAP:
             ids = tl.load(expert_map_ptr + ids, mask=t_mask & (ids >= 0), other=-1).to(tl.int32)
         held = t_mask & (ids >= 0) & (ids < num_local_experts)
         m = held[:, None] & k_mask[None, :]
-        y = tl.load(y_ptr + (t64 * topk + j)[:, None] * stride_ym + offs_k[None, :] * stride_yk, mask=m, other=0.0)
+        y = tl.load(y_ptr + (t64 * TOPK + j)[:, None] * stride_ym + offs_k[None, :] * stride_yk, mask=m, other=0.0)
         acc += tl.where(m, y.to(tl.float32), 0.0)
     tl.store(out_ptr + t64[:, None] * stride_om + offs_k[None, :] * stride_ok,
              acc.to(out_ptr.dtype.element_ty), mask=t_mask[:, None] & k_mask[None, :])
@@ -54,14 +60,27 @@ def moe_sum(
         raise ValueError(f"y_RK shape ({tuple(y_RK.shape)}) must be at least ({T * k}, {K})")
     if T == 0:
         return out_TK
-    block_k = min(next_pow2(K), 1024 if out_TK.is_cuda else 256)
-    block_t = max(1, min(next_pow2(T), 4096 // block_k))
+    block_t, block_k, warps = sum_blocks(T, K, out_TK.is_cuda)
     grid = (cdiv(T, block_t), cdiv(K, block_k))
     has_map = expert_map_E is not None
-    _moe_sum_kernel[grid](y_RK, out_TK, topk_ids_Tk, expert_map_E if has_map else topk_ids_Tk, T, K, k,
+    _moe_sum_kernel[grid](y_RK, out_TK, topk_ids_Tk, expert_map_E if has_map else topk_ids_Tk, T, K,
                           num_local_experts, *y_RK.stride(), *out_TK.stride(), *topk_ids_Tk.stride(),
-                          HAS_MAP=has_map, BLOCK_T=block_t, BLOCK_K=block_k, num_warps=4)
+                          HAS_MAP=has_map, TOPK=k, BLOCK_T=block_t, BLOCK_K=block_k, num_warps=warps)
     return out_TK
+
+
+def sum_blocks(T: int, K: int, gpu: bool) -> tuple[int, int, int]:
+    """(BLOCK_T, BLOCK_K, num_warps) of one launch: blocks of up to MAX_BLOCK elements, smaller (down to
+    MIN_BLOCK) on a GPU until the launch has TARGET_PROGRAMS programs; the interpreter (CPU) runs the
+    fewest programs fastest."""
+    elems = MAX_BLOCK
+    if gpu:
+        while elems > MIN_BLOCK and cdiv(T * K, elems) < TARGET_PROGRAMS:
+            elems //= 2
+    block_k = min(next_pow2(K), elems, 1024 if gpu else 256)
+    block_t = max(1, min(next_pow2(T), elems // block_k))
+    warps = max(1, min(4, block_t * block_k // 256))
+    return block_t, block_k, warps
 
 
 def moe_sum_torch(

@@ -26,11 +26,10 @@ def _sort_rows_kernel(x_ptr, out_ptr, sorted_ids_ptr, num_post_padded_ptr, num_r
     rows = sid < num_routes
     src = (sid // topk).to(tl.int64)
     dst = offs_s.to(tl.int64)
-    for k0 in range(0, K, BLOCK_K):
-        offs_k = k0 + tl.arange(0, BLOCK_K)
-        m = rows[:, None] & (offs_k[None, :] < K)
-        v = tl.load(x_ptr + src[:, None] * stride_xm + offs_k[None, :] * stride_xk, mask=m)
-        tl.store(out_ptr + dst[:, None] * stride_om + offs_k[None, :] * stride_ok, v, mask=m)
+    offs_k = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
+    m = rows[:, None] & (offs_k[None, :] < K)
+    v = tl.load(x_ptr + src[:, None] * stride_xm + offs_k[None, :] * stride_xk, mask=m)
+    tl.store(out_ptr + dst[:, None] * stride_om + offs_k[None, :] * stride_ok, v, mask=m)
 
 
 def sort_rows(
@@ -51,7 +50,7 @@ def sort_rows(
         return out_SK
     block_k = min(next_pow2(K), 512 if x_TK.is_cuda else 256)
     block_s = max(1, min(next_pow2(S), 4096 // block_k))
-    _sort_rows_kernel[(cdiv(S, block_s),)](
+    _sort_rows_kernel[(cdiv(S, block_s), cdiv(K, block_k))](
         x_TK, out_SK, sorted_ids_S, num_post_padded, T * topk, K, topk, *x_TK.stride(), *out_SK.stride(),
         BLOCK_S=block_s, BLOCK_K=block_k, num_warps=4)
     return out_SK
