@@ -57,7 +57,9 @@ class Case:
 
 
 STANDARD_CASES = [
-    Case(1, 4, 1),  # M=1, topk=1
+    Case(1, 4, 1),  # M=1, topk=1 (one token: one block per route, no alignment)
+    Case(1, 8, 3, held=(1, 2, 5, 6)),  # one token with an expert_map: routes to -1 experts write nothing
+    Case(1, 6, 2, quant=QuantConfig.fp8_block((64, 32))),  # one token, fp8 block (act_and_mul between)
     Case(0, 4, 2),  # M=0: nothing to compute, nothing written
     Case(9, 7, 3),  # prime E
     Case(5, 3, 3),  # topk == E: every expert gets every token

@@ -146,6 +146,41 @@ def test_moe_gemm_standard_matches_oracle(dtype, qc, b_tma):
         assert _rel(c[r].cpu(), ref[0]) <= tol, f"route {r}"
 
 
+@pytest.mark.parametrize("T,kind", [(1, None), (1, "map"), (4, "local-1")], ids=["T1", "T1-map", "T4-local-1"])
+def test_moe_gemm_per_route_blocks_match_oracle(T, kind):
+    # One block per route, no alignment: route r's row only, its expert straight from the topk ids
+    # (mapped by expert_map). T=4 hits some experts twice (their weights read twice, same values);
+    # routes not held here (-1, mapped to -1, or a local id >= El) write nothing.
+    k, El, K, No = 3, 4, 64, 48
+    g = _gen(31 + T)
+    E = 2 * El if kind == "map" else El
+    ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)]).to(torch.int32)
+    emap = _expert_map(E, [0, 2, 4, 6]) if kind == "map" else None
+    if kind == "local-1":
+        ids[0, 0], ids[1, 2] = -1, El  # held elsewhere / outside [0, El)
+    x = torch.randn(T, K, generator=g).to(torch.bfloat16)
+    w = (torch.randn(El, No, K, generator=g) / K ** 0.5).to(torch.bfloat16)
+    topk_w = torch.rand(T, k, generator=g)
+    c = torch.full((T * k, No), float("nan"), dtype=torch.bfloat16, device=DEVICE)
+    moe_gemm(x.to(DEVICE), w.to(DEVICE), c, GemmTile(16, 32, 32, 1, 4, 2), topk_weights_Tk=topk_w.to(DEVICE),
+             topk_ids_Tk=ids.to(DEVICE), expert_map_E=emap, a_row_div=k, num_routes=T * k)
+    c = c.cpu()
+    local = ids.view(-1).long() if emap is None else emap.cpu().long()[ids.view(-1).long()]
+    held = 0
+    for r in range(T * k):
+        e = int(local[r])
+        if not 0 <= e < El:
+            assert c[r].isnan().all(), f"route {r} is not held here but was written"
+            continue
+        held += 1
+        ref = moe_gemm_torch(x[r // k: r // k + 1], w[e]) * topk_w.view(-1)[r]
+        assert _rel(c[r: r + 1], ref) <= 2 * torch.finfo(torch.bfloat16).eps, f"route {r}"
+    assert held >= 1  # something was computed
+    with pytest.raises(ValueError, match="per-route blocks"):
+        moe_gemm(x.to(DEVICE), w.to(DEVICE), c.to(DEVICE), GemmTile(16, 32, 32), topk_ids_Tk=ids.to(DEVICE),
+                 a_row_div=k, num_routes=T * k, a_sorted=True)
+
+
 def test_moe_gemm_b_tma_falls_back_to_pointers_where_tma_cannot_address_the_weights():
     # weights whose K stride is not 1 (a transposed copy): no descriptor; b_tma=1 then computes exactly
     # what the pointer path computes

@@ -5,7 +5,8 @@ El local experts, E global experts.
 
 One forward, all on the device with sizes fixed by T (no host sync, no allocation; CUDA-graph
 capturable):
-  1. moe_align: routes grouped by local expert, padded to BLOCK_M (expert_map -1: no slot)
+  1. moe_align: routes grouped by local expert, padded to BLOCK_M (expert_map -1: no slot); a single
+     token skips it (its k routes go to k distinct experts: the GEMMs take one block per route)
   2. GEMM1: h1 (R, N2) = a1q[token of route] @ w1[e].T, dequantized
   3. act_and_mul: intermediate (R, Ni) = act(gate) * up, re-quantized to fp8 for fp8 schemes
      (unquantized SiLU / GELU: GEMM1 computes act(gate) * up in its epilogue and writes the
@@ -187,9 +188,12 @@ class TritonExperts(FusedMoEExpertsModular):
         if not topk_ids.is_contiguous():
             topk_ids = topk_ids.contiguous()
 
-        sorted_ids, block_expert, num_post_padded = moe_align(topk_ids, cfg.block_m, El, expert_map, buffers=buf)
-        align = dict(sorted_ids_S=sorted_ids, block_expert_Mb=block_expert, num_post_padded=num_post_padded,
-                     num_routes=R)
+        if T == 1 and not (sort_in or sort_mid):  # one token: its k routes hit k distinct experts, a block each
+            align = dict(topk_ids_Tk=topk_ids, expert_map_E=expert_map, num_routes=R)
+        else:
+            sorted_ids, block_expert, num_post_padded = moe_align(topk_ids, cfg.block_m, El, expert_map, buffers=buf)
+            align = dict(sorted_ids_S=sorted_ids, block_expert_Mb=block_expert, num_post_padded=num_post_padded,
+                         num_routes=R)
         inter_scale = buf.get("intermediate_scale", a2_scale)
         if self._fused(activation):
             a1 = hidden_states

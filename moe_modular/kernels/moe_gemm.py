@@ -84,8 +84,8 @@ class GemmTile:
 @triton.jit
 def _moe_gemm_kernel(
     a_ptr, b_ptr, c_ptr, a_scale_ptr, b_scale_ptr, topk_weights_ptr,
-    sorted_ids_ptr, block_expert_ptr, num_post_padded_ptr, expert_num_tokens_ptr,
-    num_routes, slots, N, K, topk,
+    sorted_ids_ptr, block_expert_ptr, num_post_padded_ptr, expert_num_tokens_ptr, expert_map_ptr,
+    num_routes, slots, N, K, topk, num_local_experts,
     stride_ae, stride_am, stride_ak,
     stride_be, stride_bn, stride_bk,
     stride_ce, stride_cm, stride_cn,
@@ -98,6 +98,7 @@ def _moe_gemm_kernel(
     MUL_WEIGHT: tl.constexpr, EVEN_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
     FUSE_ACT: tl.constexpr, ACTIVATION: tl.constexpr, B_TMA: tl.constexpr,
     A_SORTED: tl.constexpr, C_SORTED: tl.constexpr, A_TMA: tl.constexpr,
+    PER_ROUTE: tl.constexpr, HAS_MAP: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
     # Tile order: GROUP_M row blocks share each column sweep (B tiles stay in L2).
@@ -121,12 +122,20 @@ def _moe_gemm_kernel(
         out_row = c_row
         a_e = expert.to(tl.int64)
     else:
-        if pid_m * BLOCK_M >= tl.load(num_post_padded_ptr):
-            return
-        expert = tl.load(block_expert_ptr + pid_m)
-        if expert < 0:
-            return
-        sid = tl.load(sorted_ids_ptr + offs_m)
+        if PER_ROUTE:  # block pid_m is route pid_m alone; block_expert_ptr holds the (T * k) topk ids
+            expert = tl.load(block_expert_ptr + pid_m).to(tl.int32)
+            if HAS_MAP:
+                expert = tl.where(expert >= 0, tl.load(expert_map_ptr + tl.maximum(expert, 0)).to(tl.int32), -1)
+            if (expert < 0) | (expert >= num_local_experts):
+                return
+            sid = tl.where(tl.arange(0, BLOCK_M) == 0, pid_m, num_routes)
+        else:
+            if pid_m * BLOCK_M >= tl.load(num_post_padded_ptr):
+                return
+            expert = tl.load(block_expert_ptr + pid_m)
+            if expert < 0:
+                return
+            sid = tl.load(sorted_ids_ptr + offs_m)
         row_mask = sid < num_routes
         if A_SORTED:
             a_row = offs_m.to(tl.int64)
@@ -270,12 +279,18 @@ def moe_gemm(
     fuse_activation: Optional[Activation] = None,
     a_sorted: bool = False,
     c_sorted: bool = False,
+    topk_ids_Tk: Optional[torch.Tensor] = None,
+    expert_map_E: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """Launch one grouped GEMM; returns c.
 
     Standard (sorted_ids_S given): a (rows, Ko), c (R, No) written at the rows of sorted_ids_S,
       a_row_div = k when a holds tokens (first GEMM) or 1 when it holds routes (second GEMM);
       num_routes = R; topk_weights_Tk (T, k) float32 multiplies row s by weight[s // k, s % k].
+    Per route (topk_ids_Tk given instead of the alignment): block r holds route r alone (its first
+      row), its expert topk_ids_Tk[r // k, r % k] (local ids, or global ids mapped by expert_map_E;
+      not held: nothing written); rows as in the standard format. No alignment kernel; meant for a
+      single token, whose k routes go to k distinct experts, so no expert's weights are read twice.
     Batched (expert_num_tokens_El given): a (El, Bt, Ko), c (El, Bt, No).
     b_ENK (El, No, Ko); scales as in the module docstring; group_shape = (group_n, group_k) for BLOCK.
     fuse_activation (SiLU or GELU, unquantized only): b_ENK holds the gate rows then the up rows
@@ -287,8 +302,12 @@ def moe_gemm(
       with a_sorted or batched, whose block rows are contiguous); elsewhere pointers, same values.
     """
     batched = expert_num_tokens_El is not None
-    if batched == (sorted_ids_S is not None):
-        raise ValueError("moe_gemm needs exactly one of sorted_ids_S (standard) or expert_num_tokens_El (batched)")
+    per_route = topk_ids_Tk is not None
+    if batched + per_route + (sorted_ids_S is not None) != 1:
+        raise ValueError("moe_gemm needs exactly one of sorted_ids_S (standard), topk_ids_Tk (per route) or "
+                         "expert_num_tokens_El (batched)")
+    if per_route and (a_sorted or c_sorted or not topk_ids_Tk.is_contiguous()):
+        raise ValueError("per-route blocks (topk_ids_Tk) read route order only, from contiguous topk ids")
     El, No, Ko = b_ENK.shape
     if fuse_activation is not None:
         if fuse_activation not in GEMM_FUSABLE_ACTIVATIONS:
@@ -325,7 +344,7 @@ def moe_gemm(
         sc_e, sc_m, sc_n = c.stride()
     else:
         slots = 0
-        num_pid_m = block_expert_Mb.numel()
+        num_pid_m = topk_ids_Tk.numel() if per_route else block_expert_Mb.numel()
         grid = (num_pid_m * cdiv(No, tile.BLOCK_N),)
         sa_e, (sa_m, sa_k) = 0, a.stride()
         sc_e, (sc_m, sc_n) = 0, c.stride()
@@ -350,10 +369,11 @@ def moe_gemm(
         b_scale if b_scale is not None else dummy,
         topk_weights_Tk if topk_weights_Tk is not None else dummy,
         sorted_ids_S if sorted_ids_S is not None else dummy,
-        block_expert_Mb if block_expert_Mb is not None else dummy,
+        topk_ids_Tk if per_route else (block_expert_Mb if block_expert_Mb is not None else dummy),
         num_post_padded if num_post_padded is not None else dummy,
         expert_num_tokens_El if expert_num_tokens_El is not None else dummy,
-        num_routes, slots, No, Ko, topk,
+        expert_map_E if expert_map_E is not None else dummy,
+        num_routes, slots, No, Ko, topk, El,
         sa_e, sa_m, sa_k,
         *b_ENK.stride(),
         sc_e, sc_m, sc_n,
@@ -367,6 +387,7 @@ def moe_gemm(
         DOT_PRECISION="ieee" if is_fp32 else "tf32",
         FUSE_ACT=fuse_activation is not None, ACTIVATION=_ACT_CODE[fuse_activation or Activation.SILU],
         B_TMA=b_arg is not None, A_SORTED=a_sorted, C_SORTED=c_sorted, A_TMA=a_arg is not None,
+        PER_ROUTE=per_route, HAS_MAP=expert_map_E is not None,
         BLOCK_M=tile.BLOCK_M, BLOCK_N=tile.BLOCK_N, BLOCK_K=tile.BLOCK_K, GROUP_M=tile.GROUP_M,
         num_warps=tile.num_warps, num_stages=tile.num_stages,
     )
