@@ -12,6 +12,8 @@ Two row layouts share one kernel:
     C row p instead, so a block's rows are contiguous (a first GEMM writing the intermediate in sorted
     order lets the second GEMM load it through a tensor descriptor); rows of padding entries are
     neither read as data nor written (their contents are unspecified).
+    Per route (topk_ids_Tk instead of sorted_ids_S): block r is route r alone, its expert read from
+    the topk ids (through the expert map); no alignment, for a single token (k distinct experts).
   Batched: A (El, Bt, Ko), C (El, Bt, No); expert e computes its first expert_num_tokens[e] rows.
 
 Scales (float32, multiplied to dequantize; quant.py gives the layouts):
