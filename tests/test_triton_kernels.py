@@ -176,9 +176,12 @@ def test_moe_gemm_per_route_blocks_match_oracle(T, kind):
         ref = moe_gemm_torch(x[r // k: r // k + 1], w[e]) * topk_w.view(-1)[r]
         assert _rel(c[r: r + 1], ref) <= 2 * torch.finfo(torch.bfloat16).eps, f"route {r}"
     assert held >= 1  # something was computed
-    with pytest.raises(ValueError, match="per-route blocks"):
+    with pytest.raises(ValueError, match=r"per-route blocks .* a_sorted \(True\) and c_sorted \(False\) must be False"):
         moe_gemm(x.to(DEVICE), w.to(DEVICE), c.to(DEVICE), GemmTile(16, 32, 32), topk_ids_Tk=ids.to(DEVICE),
                  a_row_div=k, num_routes=T * k, a_sorted=True)
+    with pytest.raises(ValueError, match=r"topk_ids_Tk must be contiguous for per-route blocks, got strides"):
+        moe_gemm(x.to(DEVICE), w.to(DEVICE), c.to(DEVICE), GemmTile(16, 32, 32), a_row_div=k, num_routes=T * k,
+                 topk_ids_Tk=torch.cat([ids, ids], dim=1).to(DEVICE)[:, ::2])  # (T, k), column stride 2
 
 
 def test_moe_gemm_b_tma_falls_back_to_pointers_where_tma_cannot_address_the_weights():

@@ -308,8 +308,12 @@ def moe_gemm(
     if batched + per_route + (sorted_ids_S is not None) != 1:
         raise ValueError("moe_gemm needs exactly one of sorted_ids_S (standard), topk_ids_Tk (per route) or "
                          "expert_num_tokens_El (batched)")
-    if per_route and (a_sorted or c_sorted or not topk_ids_Tk.is_contiguous()):
-        raise ValueError("per-route blocks (topk_ids_Tk) read route order only, from contiguous topk ids")
+    if per_route and (a_sorted or c_sorted):
+        raise ValueError(f"per-route blocks (topk_ids_Tk) read and write route order: a_sorted ({a_sorted}) and "
+                         f"c_sorted ({c_sorted}) must be False")
+    if per_route and not topk_ids_Tk.is_contiguous():
+        raise ValueError(f"topk_ids_Tk must be contiguous for per-route blocks, got strides "
+                         f"{tuple(topk_ids_Tk.stride())}")
     El, No, Ko = b_ENK.shape
     if fuse_activation is not None:
         if fuse_activation not in GEMM_FUSABLE_ACTIVATIONS:
