@@ -34,6 +34,7 @@ import triton.language as tl
 from moe_modular.config import Activation
 from moe_modular.kernels.act_and_mul import _ACT_CODE, GEMM_FUSABLE_ACTIVATIONS, gated_act
 from moe_modular.kernels.host import cdiv
+from moe_modular.kernels.moe_align import _local_expert_of_route
 
 if TYPE_CHECKING:
     from triton.tools.tensor_descriptor import TensorDescriptor
@@ -125,10 +126,9 @@ def _moe_gemm_kernel(
         a_e = expert.to(tl.int64)
     else:
         if PER_ROUTE:  # block pid_m is route pid_m alone; block_expert_ptr holds the (T * k) topk ids
-            expert = tl.load(block_expert_ptr + pid_m).to(tl.int32)
-            if HAS_MAP:
-                expert = tl.where(expert >= 0, tl.load(expert_map_ptr + tl.maximum(expert, 0)).to(tl.int32), -1)
-            if (expert < 0) | (expert >= num_local_experts):
+            expert, held = _local_expert_of_route(block_expert_ptr, expert_map_ptr, pid_m, num_routes,
+                                                  num_local_experts, HAS_MAP)
+            if not held:
                 return
             sid = tl.where(tl.arange(0, BLOCK_M) == 0, pid_m, num_routes)
         else:
