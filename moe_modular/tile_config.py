@@ -35,8 +35,8 @@ from moe_modular.quant import QuantConfig
 
 CONFIG_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs")
 CPU_DEVICE_NAME = "cpu"
-_TILE_FIELDS = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "num_warps", "num_stages", "b_tma", "a_tma")
-_FLAG_FIELDS = ("b_tma", "a_tma")  # 0 / 1, listed in tables only where 1
+_TILE_FIELDS = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "num_warps", "num_stages", "b_tma", "a_tma", "act_q")
+_FLAG_FIELDS = ("b_tma", "a_tma", "act_q")  # 0 / 1, listed in tables only where 1
 
 
 def device_name(device: torch.device) -> str:

@@ -326,6 +326,53 @@ def test_sorted_rows_through_descriptors_match_oracle(c: Case, a_tma, monkeypatc
     assert err <= tolerance(c.dtype, c.quant), f"relative error {err:.3e}"
 
 
+ACT_Q_CASES = [Case(9, 7, 2, quant=QuantConfig.fp8_block((64, 32))),
+               Case(7, 8, 2, quant=QuantConfig.fp8_block((64, 32)), held=(0, 3, 4, 7), activation=Activation.GELU),
+               Case(1, 6, 3, quant=QuantConfig.fp8_block((64, 32)))]  # one token: per-route blocks
+
+
+@pytest.mark.parametrize("c", ACT_Q_CASES, ids=_name)
+def test_fp8_block_activation_and_quantization_in_the_first_gemm_match_oracle(c: Case, monkeypatch):
+    # act_q: the fp8-block first GEMM applies the activation and quantizes the intermediate in 1 x 32
+    # groups in its epilogue (fused BLOCK_N 32 holds one group): no float32 h1 in workspace13, no
+    # act_and_mul launch; workspaces poisoned, results match the oracle
+    from moe_modular.kernels import act_and_mul as act_module
+
+    calls = []
+    real = act_module.act_and_mul
+    monkeypatch.setattr(act_module, "act_and_mul", lambda *a, **k: calls.append(1) or real(*a, **k))
+    moe, qp, x, w1, w2, tw, ti, expert_map = make_inputs(c, seed=c.T + 7 * c.E)
+    tile = GemmTile(16, 64, 32, 1, 4, 2)
+    fe = TritonExperts(moe, qp, tile_config=TileConfig(replace(tile, act_q=1), tile))
+    plain = TritonExperts(moe, qp, tile_config=TileConfig(tile, tile))
+    El, N2 = w1.shape[0], w1.shape[1]
+    assert (fe.workspace_shapes(c.T, N2, c.K, c.topk, c.E, El, None)[0][0] <
+            plain.workspace_shapes(c.T, N2, c.K, c.topk, c.E, El, None)[0][0]), "h1 still sized"
+    prepared = MoEPrepareAndFinalizeNoEP().prepare(x, tw, ti, c.E, expert_map, False, qp)
+    ws13, ws2, out = _poisoned_workspaces(fe, c.T, N2, c.K, c.topk, c.E, El)
+    fe.apply(out, prepared.a1q, w1, w2, tw, ti, c.activation, c.E, expert_map, prepared.a1q_scale, qp.a2_scale,
+             ws13, ws2, None, False)
+    assert not calls, "act_and_mul ran"
+    ref = _reference(c, qp, x, w1, w2, tw, ti, expert_map)
+    assert torch.isfinite(out).all(), "a row of the output was not written"
+    err = ((out.float() - ref).norm() / ref.norm()).item()
+    assert err <= tolerance(c.dtype, c.quant), f"relative error {err:.3e}"
+
+
+def test_act_q_errors_name_the_scheme_and_the_tile():
+    c = Case(6, 7, 2, quant=QuantConfig.fp8_per_token())
+    moe, qp, x, w1, w2, tw, ti, _ = make_inputs(c, seed=3)
+    tile = GemmTile(16, 64, 32, 1, 4, 2, act_q=1)
+    with pytest.raises(ValueError, match=r"tile act_q \(1\) is for the fp8 block scheme; the scheme is fp8-token"):
+        TritonExperts(moe, qp, tile_config=TileConfig(tile, tile)).workspace_shapes(c.T, w1.shape[1], c.K, c.topk,
+                                                                                    c.E, w1.shape[0], None)
+    c = Case(6, 7, 2, quant=QuantConfig.fp8_block((64, 64)))
+    moe, qp, x, w1, w2, tw, ti, _ = make_inputs(c, seed=3)
+    fe = TritonExperts(moe, qp, tile_config=TileConfig(tile, replace(tile, act_q=1)))  # fused BLOCK_N 32 < 64
+    with pytest.raises(ValueError, match=r"c_group \(64\) must be a power of two dividing tile.BLOCK_N \(32\)"):
+        FusedMoEModularKernel(MoEPrepareAndFinalizeNoEP(), fe)(x, w1, w2, tw, ti)
+
+
 def test_workspaces_sized_for_route_order_keep_route_order():
     # Workspaces sized for other tiles (route order) are too small for sorted rows: apply keeps route
     # order rather than writing past them, and the result still matches the oracle.

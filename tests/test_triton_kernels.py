@@ -376,6 +376,48 @@ def test_moe_gemm_fused_activation_matches_oracle(activation, b_tma):
                  fuse_activation=activation)
 
 
+def test_moe_gemm_fused_activation_with_fp8_groups_matches_oracle():
+    # fp8-block first GEMM (1 x 32 activation groups, 32 x 32 weight blocks) with act(gate) * up and the
+    # 1 x 32 group quantization of the intermediate in its epilogue: c fp8 (R, N) plus its group scales.
+    # N = 48: the second group of each 64-column tile is partial. Unheld routes (id -1): not written.
+    T, k, El, K, N, G = 5, 2, 3, 96, 48, 32
+    qc = QuantConfig.fp8_block((G, G))
+    g = _gen(41)
+    x = torch.randn(T, K, generator=g).to(torch.bfloat16)
+    w = torch.randn(El, 2 * N, K, generator=g) / K ** 0.5
+    xq, xs = quantize_activations(x, qc)
+    wq, ws = quantize_weights(w, qc)
+    ids = torch.randint(0, El, (T, k), generator=g, dtype=torch.int32)
+    ids[1, 0] = -1
+    tile = GemmTile(16, 64, 32, 1, 4, 2)
+    sorted_ids, block_expert, num_pp = moe_align(ids.to(DEVICE), tile.BLOCK_M, El, None)
+    c = torch.full((T * k, N), float("nan"), device=DEVICE).to(FP8_DTYPE)
+    cs = torch.full((T * k, 2), float("nan"), device=DEVICE)
+    moe_gemm(xq.to(DEVICE), wq.to(DEVICE), c, tile, a_scale=xs.to(DEVICE), a_scale_mode=AScale.GROUP,
+             b_scale=ws.to(DEVICE), b_scale_mode=BScale.BLOCK, group_shape=(G, G), sorted_ids_S=sorted_ids,
+             block_expert_Mb=block_expert, num_post_padded=num_pp, a_row_div=k, num_routes=T * k,
+             fuse_activation=Activation.SILU, c_scale=cs, c_group=G)
+    c, cs = c.cpu().float(), cs.cpu()
+    a_s = expand_group_scale(xs, K, G)
+    for r in range(T * k):
+        e = int(ids.view(-1)[r])
+        if e < 0:
+            assert c[r].isnan().all() and cs[r].isnan().all(), f"route {r} is not held but was written"
+            continue
+        t = r // k
+        h1 = moe_gemm_torch(xq[t:t + 1], wq[e], a_s[t:t + 1], _weight_scale(ws, qc, e, 2 * N, K))
+        ref = act_and_mul_torch(h1, Activation.SILU)[0]
+        want_scale = torch.stack([ref[:G].abs().max(), ref[G:].abs().max()]) / torch.finfo(FP8_DTYPE).max
+        assert torch.allclose(cs[r], want_scale, rtol=1e-2), f"route {r} scales"
+        assert _rel(c[r] * expand_group_scale(cs[r], N, G), ref) <= FP8_EPS, f"route {r}"
+    with pytest.raises(ValueError, match=r"c_group \(64\) must be a power of two dividing tile.BLOCK_N \(32\)"):
+        moe_gemm(xq.to(DEVICE), wq.to(DEVICE), torch.empty(T * k, N, device=DEVICE).to(FP8_DTYPE),
+                 GemmTile(16, 32, 32), a_scale=xs.to(DEVICE), a_scale_mode=AScale.GROUP, b_scale=ws.to(DEVICE),
+                 b_scale_mode=BScale.BLOCK, group_shape=(G, G), sorted_ids_S=sorted_ids,
+                 block_expert_Mb=block_expert, num_post_padded=num_pp, a_row_div=k, num_routes=T * k,
+                 fuse_activation=Activation.SILU, c_scale=torch.empty(T * k, 1, device=DEVICE), c_group=64)
+
+
 @pytest.mark.parametrize("a_tma", [0, 1], ids=["a-ptr", "a-tma"])
 def test_moe_gemm_sorted_intermediate_chain_matches_oracle(a_tma):
     # The fused first GEMM writes the intermediate in sorted order (c_sorted); the second GEMM reads it

@@ -183,12 +183,18 @@ def current_device() -> torch.device:
     return torch.device("cpu")
 
 
-def fuses_activation(enabled: bool, q: QuantConfig, activation: Activation) -> bool:
-    """Whether the first GEMM applies the activation in its epilogue: unquantized SiLU / GELU (fp8
-    schemes re-quantize the intermediate, which act_and_mul does)."""
+def fuses_activation(enabled: bool, q: QuantConfig, activation: Activation, gemm1: Optional["GemmTile"] = None) -> bool:
+    """Whether the first GEMM applies the activation in its epilogue: unquantized SiLU / GELU, and fp8
+    block SiLU / GELU where the first GEMM's tile (gemm1, standard format) says act_q: it then also
+    quantizes the intermediate in 1 x group groups. Other fp8 schemes need scales over more than a
+    tile (a row, an expert): act_and_mul does it."""
     from moe_modular.kernels.act_and_mul import GEMM_FUSABLE_ACTIVATIONS
 
-    return enabled and not q.is_quantized and activation in GEMM_FUSABLE_ACTIVATIONS
+    if not enabled or activation not in GEMM_FUSABLE_ACTIVATIONS:
+        return False
+    if gemm1 is not None and gemm1.act_q and not q.is_block:
+        raise ValueError(f"tile act_q (1) is for the fp8 block scheme; the scheme is {q.name}")
+    return not q.is_quantized or (gemm1 is not None and bool(gemm1.act_q))
 
 
 def fused_gemm1_tile(tile: "GemmTile") -> "GemmTile":

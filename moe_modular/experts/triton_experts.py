@@ -9,7 +9,8 @@ capturable):
      token skips it (its k routes go to k distinct experts: the GEMMs take one block per route)
   2. GEMM1: h1 (R, N2) = a1q[token of route] @ w1[e].T, dequantized
   3. act_and_mul: intermediate (R, Ni) = act(gate) * up, re-quantized to fp8 for fp8 schemes
-     (unquantized SiLU / GELU: GEMM1 computes act(gate) * up in its epilogue and writes the
+     (unquantized SiLU / GELU, and fp8-block SiLU / GELU where the tiles say act_q: GEMM1 computes
+     act(gate) * up in its epilogue, quantizes it in 1 x group groups for fp8-block, and writes the
      intermediate itself; h1 is never stored)
   4. GEMM2: y (R, K) = intermediate @ w2[e].T, dequantized, times the route's top-k weight
   5. moe_sum: output (T, K) = sum of the held routes of each token
@@ -95,31 +96,31 @@ class TritonExperts(FusedMoEExpertsModular):
     def supports_chunking(self) -> bool:
         return True
 
-    def _layout(self, M: int, N2: int, K: int, topk: int, El: int,
-                sorting: tuple[bool, bool, int]) -> tuple[int, WorkspaceLayout]:
-        return self._layouts.get_or_make((M, N2, K, topk, El, sorting),
-                                         lambda: self._make_layout(M, N2, K, topk, El, sorting))
+    def _layout(self, M: int, N2: int, K: int, topk: int, El: int, sorting: tuple[bool, bool, int],
+                fused: bool) -> tuple[int, WorkspaceLayout]:
+        return self._layouts.get_or_make((M, N2, K, topk, El, sorting, fused),
+                                         lambda: self._make_layout(M, N2, K, topk, El, sorting, fused))
 
-    def _make_layout(self, M: int, N2: int, K: int, topk: int, El: int,
-                     sorting: tuple[bool, bool, int]) -> tuple[int, WorkspaceLayout]:
+    def _make_layout(self, M: int, N2: int, K: int, topk: int, El: int, sorting: tuple[bool, bool, int],
+                     fused: bool) -> tuple[int, WorkspaceLayout]:
         from moe_modular.kernels.moe_align import sorted_capacity
 
         sort_in, sort_mid, block_m = sorting
         R = M * topk
         S = sorted_capacity(R, El, block_m) if (sort_in or sort_mid) else 0
         item = self.moe.dtype.itemsize
-        h1_bytes = 0 if self._fused(self.moe.activation) else R * N2 * h1_dtype(self.moe).itemsize
+        h1_bytes = 0 if fused else R * N2 * h1_dtype(self.moe).itemsize
         ws13_numel = bytes_to_numel(max(h1_bytes, R * K * item, S * K * item if sort_in else 0), self.moe.dtype)
         ws2 = intermediate_regions(WorkspaceLayout(), S if sort_mid else R, N2 // 2, El, self.moe)
         return ws13_numel, _align_regions(ws2, R, El)
 
-    def _fused(self, activation: Activation) -> bool:
-        return fuses_activation(self.fuse_activation, self.moe.quant, activation)
+    def _fused(self, cfg, activation: Activation) -> bool:
+        return fuses_activation(self.fuse_activation, self.moe.quant, activation, cfg.gemm1)
 
     def _sorting(self, cfg, activation: Activation) -> tuple[bool, bool, int]:
         """(sort the tokens for GEMM1, keep the intermediate in sorted order, BLOCK_M): only where
         GEMM1 writes the intermediate itself (fused activation) and the tiles load A by descriptor."""
-        fused = self._fused(activation)
+        fused = fuses_activation(self.fuse_activation, self.moe.quant, activation)  # unquantized only
         sort_in, sort_mid = fused and bool(cfg.gemm1.a_tma), fused and bool(cfg.gemm2.a_tma)
         return sort_in, sort_mid, cfg.block_m if (sort_in or sort_mid) else 0
 
@@ -129,7 +130,8 @@ class TritonExperts(FusedMoEExpertsModular):
         or (S, Ni) sorted), its scales and the alignment buffers. Output (M, K), already weighted and
         reduced. Sized for the tiles of the current device (the one apply will run on)."""
         cfg = self.tiles(M, local_num_experts, N // 2, K, topk, current_device())
-        ws13, ws2 = self._layout(M, N, K, topk, local_num_experts, self._sorting(cfg, self.moe.activation))
+        ws13, ws2 = self._layout(M, N, K, topk, local_num_experts, self._sorting(cfg, self.moe.activation),
+                                 self._fused(cfg, self.moe.activation))
         return (ws13,), (ws2.numel(self.moe.dtype),), (M, K), self.moe.dtype
 
     def finalize_weight_and_reduce_impl(self):
@@ -176,12 +178,13 @@ class TritonExperts(FusedMoEExpertsModular):
         group = q.config.block_shape if q.config.is_block else (1, 1)
         cfg = self.tiles(T, El, Ni, K, topk, hidden_states.device)
         sorting = self._sorting(cfg, activation)
-        ws13_numel, layout = self._layout(T, N2, K, topk, El, sorting)
+        fused, sized_fused = self._fused(cfg, activation), self._fused(cfg, self.moe.activation)
+        ws13_numel, layout = self._layout(T, N2, K, topk, El, sorting, sized_fused)
         if sorting[2] and (workspace13.numel() < ws13_numel or
                            workspace2.numel() < layout.numel(workspace2.dtype)):
             # sized for another device's tiles (workspace_shapes plans for the current device): route order
             sorting = (False, False, 0)
-            _, layout = self._layout(T, N2, K, topk, El, sorting)
+            _, layout = self._layout(T, N2, K, topk, El, sorting, sized_fused)
         sort_in, sort_mid, _ = sorting
         y = overlapping_view(workspace13, (R, K), output.dtype)
         buf = layout.carve(workspace2)
@@ -195,15 +198,19 @@ class TritonExperts(FusedMoEExpertsModular):
             align = dict(sorted_ids_S=sorted_ids, block_expert_Mb=block_expert, num_post_padded=num_post_padded,
                          num_routes=R)
         inter_scale = buf.get("intermediate_scale", a2_scale)
-        if self._fused(activation):
+        if fused:
             a1 = hidden_states
             if sort_in:  # workspace13's y is written only after GEMM1 is done with the sorted tokens
                 a1 = sort_rows(hidden_states, sorted_ids, num_post_padded, topk,
                                overlapping_view(workspace13, (sorted_ids.numel(), K), hidden_states.dtype))
+            quantized = {}  # fp8 block (act_q): the group scales of the tokens and weights in, of the intermediate out
+            if q.config.is_quantized:
+                quantized = dict(a_scale=a1q_scale, a_scale_mode=modes.a1, b_scale=q.w1_scale, b_scale_mode=modes.w,
+                                 group_shape=group, c_scale=inter_scale, c_group=group[1])
             moe_gemm(a1, w1, buf["intermediate"], self.tiles.fused_gemm1(cfg.gemm1), a_row_div=topk,
-                     fuse_activation=activation, a_sorted=sort_in, c_sorted=sort_mid, **align)
+                     fuse_activation=activation, a_sorted=sort_in, c_sorted=sort_mid, **quantized, **align)
         else:
-            h1 = h1_view(workspace13, (R, N2), self.moe, self._fused(self.moe.activation), activation)
+            h1 = h1_view(workspace13, (R, N2), self.moe, sized_fused, activation)
             moe_gemm(hidden_states, w1, h1, cfg.gemm1, a_scale=a1q_scale, a_scale_mode=modes.a1,
                      b_scale=q.w1_scale, b_scale_mode=modes.w, group_shape=group, a_row_div=topk, **align)
             act_and_mul(h1, activation, buf["intermediate"], quant=modes.intermediate, scale=inter_scale,

@@ -32,7 +32,7 @@ import triton
 import triton.language as tl
 
 from moe_modular.config import Activation
-from moe_modular.kernels.act_and_mul import _ACT_CODE, GEMM_FUSABLE_ACTIVATIONS, gated_act
+from moe_modular.kernels.act_and_mul import _ACT_CODE, GEMM_FUSABLE_ACTIVATIONS, _scale_of, _to_fp8, gated_act
 from moe_modular.kernels.host import cdiv
 from moe_modular.kernels.moe_align import _local_expert_of_route
 
@@ -82,6 +82,7 @@ class GemmTile:
     num_stages: int = 3
     b_tma: int = 0  # 1: B tiles arrive through a tensor descriptor (TMA on Hopper) instead of pointers
     a_tma: int = 0  # 1: A tiles too, where A's rows are contiguous per block (sorted A, batched format)
+    act_q: int = 0  # 1 (fp8-block, standard format): the activation and its group quantization in the epilogue
 
 
 @triton.jit
@@ -95,13 +96,14 @@ def _moe_gemm_kernel(
     stride_ase, stride_asm, stride_ask,
     stride_bse, stride_bsn, stride_bsk,
     stride_wt, stride_wk,
+    c_scale_ptr, stride_csm, stride_csn,
     num_pid_m,
     A_ROW_DIV: tl.constexpr, BATCHED: tl.constexpr,
     A_SCALE: tl.constexpr, B_SCALE: tl.constexpr, GROUP_N: tl.constexpr, GROUP_K: tl.constexpr,
     MUL_WEIGHT: tl.constexpr, EVEN_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
     FUSE_ACT: tl.constexpr, ACTIVATION: tl.constexpr, B_TMA: tl.constexpr,
     A_SORTED: tl.constexpr, C_SORTED: tl.constexpr, A_TMA: tl.constexpr,
-    PER_ROUTE: tl.constexpr, HAS_MAP: tl.constexpr,
+    PER_ROUTE: tl.constexpr, HAS_MAP: tl.constexpr, OUT_GROUP: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
     # Tile order: GROUP_M row blocks share each column sweep (B tiles stay in L2).
@@ -161,6 +163,8 @@ def _moe_gemm_kernel(
         b_ptrs = b_ptr + e64 * stride_be + offs_bn[None, :].to(tl.int64) * stride_bn + offs_k[:, None] * stride_bk
     as_row = a_scale_ptr + a_e * stride_ase + a_row * stride_asm
     bs_col = b_scale_ptr + e64 * stride_bse + (offs_bn // GROUP_N) * stride_bsn
+    if FUSE_ACT:  # the up rows' weight scales (block scales of rows N + n)
+        bs_col_up = b_scale_ptr + e64 * stride_bse + ((N + offs_bn) // GROUP_N) * stride_bsn
 
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     if FUSE_ACT:  # B rows [N, 2N) are the up half: a second accumulator, act(gate) * up at the end
@@ -189,14 +193,17 @@ def _moe_gemm_kernel(
             b = tl.load(b_ptrs, mask=offs_k[:, None] < k_left, other=0.0)
             if FUSE_ACT:
                 b_up = tl.load(b_ptrs + up_off, mask=offs_k[:, None] < k_left, other=0.0)
-        if FUSE_ACT:
-            acc_up = tl.dot(a, b_up, acc_up, input_precision=DOT_PRECISION)
         if A_SCALE == A_GROUP:
             kg = (kt * BLOCK_K) // GROUP_K
             a_s = tl.load(as_row + kg * stride_ask, mask=row_mask, other=0.0)
             b_s = tl.load(bs_col + kg * stride_bsk)
             acc += tl.dot(a, b) * (a_s[:, None] * b_s[None, :])
+            if FUSE_ACT:
+                b_s_up = tl.load(bs_col_up + kg * stride_bsk)
+                acc_up += tl.dot(a, b_up) * (a_s[:, None] * b_s_up[None, :])
         else:
+            if FUSE_ACT:
+                acc_up = tl.dot(a, b_up, acc_up, input_precision=DOT_PRECISION)
             acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
         if not A_TMA:
             a_ptrs += BLOCK_K * stride_ak
@@ -215,6 +222,14 @@ def _moe_gemm_kernel(
         acc = acc * tl.load(b_scale_ptr + e64 * stride_bse + offs_bn * stride_bsn)[None, :]
     if FUSE_ACT:
         acc = gated_act(acc, acc_up, ACTIVATION)
+    if OUT_GROUP > 0:  # fp8 with one scale per row and OUT_GROUP columns (BLOCK_N holds whole groups)
+        NG: tl.constexpr = BLOCK_N // OUT_GROUP
+        h = tl.reshape(tl.where(n_mask[None, :], acc, 0.0), (BLOCK_M, NG, OUT_GROUP))
+        g_scale = _scale_of(tl.max(tl.abs(h), axis=2))
+        acc = tl.reshape(_to_fp8(h, g_scale[:, :, None], c_ptr.dtype.element_ty), (BLOCK_M, BLOCK_N))
+        offs_g = pid_n * NG + tl.arange(0, NG)
+        tl.store(c_scale_ptr + out_row[:, None] * stride_csm + offs_g[None, :] * stride_csn, g_scale,
+                 mask=row_mask[:, None] & (offs_g[None, :] * OUT_GROUP < N))
     if MUL_WEIGHT:
         w = tl.load(topk_weights_ptr + (c_row // topk) * stride_wt + (c_row % topk) * stride_wk,
                     mask=row_mask, other=0.0)
@@ -283,6 +298,8 @@ def moe_gemm(
     c_sorted: bool = False,
     topk_ids_Tk: Optional[torch.Tensor] = None,
     expert_map_E: Optional[torch.Tensor] = None,
+    c_scale: Optional[torch.Tensor] = None,
+    c_group: int = 0,
 ) -> torch.Tensor:
     """Launch one grouped GEMM; returns c.
 
@@ -295,9 +312,11 @@ def moe_gemm(
       single token, whose k routes go to k distinct experts, so no expert's weights are read twice.
     Batched (expert_num_tokens_El given): a (El, Bt, Ko), c (El, Bt, No).
     b_ENK (El, No, Ko); scales as in the module docstring; group_shape = (group_n, group_k) for BLOCK.
-    fuse_activation (SiLU or GELU, unquantized only): b_ENK holds the gate rows then the up rows
-      (El, 2 * No, Ko) and c gets act(a @ gate.T) * (a @ up.T), (rows, No); tile.BLOCK_N counts c's
-      columns (each program reads 2 * BLOCK_N rows of b_ENK).
+    fuse_activation (SiLU or GELU; unquantized, or fp8 groups with block weights): b_ENK holds the
+      gate rows then the up rows (El, 2 * No, Ko) and c gets act(a @ gate.T) * (a @ up.T), (rows, No);
+      tile.BLOCK_N counts c's columns (each program reads 2 * BLOCK_N rows of b_ENK).
+    c_group (with fuse_activation and fp8 c): c is quantized in 1 x c_group groups, c_scale (rows,
+      ceil(No / c_group)) float32 gets the scales; tile.BLOCK_N must hold whole groups.
     a_sorted / c_sorted (standard): A / C rows in sorted order (row p for position p of sorted_ids_S;
       a or c then has sorted_ids_S.numel() rows); the A scale, if per row, is in the same order as A.
     tile.b_tma / tile.a_tma: B / A tiles through tensor descriptors where TMA can address them (A: only
@@ -319,8 +338,10 @@ def moe_gemm(
         if fuse_activation not in GEMM_FUSABLE_ACTIVATIONS:
             raise ValueError(f"fuse_activation ({fuse_activation!r}) must be one of "
                              f"{[a.value for a in GEMM_FUSABLE_ACTIVATIONS]}")
-        if a_scale_mode is not AScale.NONE or b_scale_mode is not BScale.NONE or topk_weights_Tk is not None:
-            raise ValueError("fuse_activation is for the unquantized first GEMM (no scales, no top-k weights)")
+        scales = (a_scale_mode, b_scale_mode)
+        if scales not in ((AScale.NONE, BScale.NONE), (AScale.GROUP, BScale.BLOCK)) or topk_weights_Tk is not None:
+            raise ValueError(f"fuse_activation is for a first GEMM without top-k weights, unquantized or with group "
+                             f"activation / block weight scales; got scales {scales[0].name} / {scales[1].name}")
         if No % 2 or c.shape[-1] != No // 2:
             raise ValueError(f"fuse_activation needs b_ENK.size(1) ({No}) even and c with {No // 2} columns, "
                              f"got {c.shape[-1]}")
@@ -329,6 +350,14 @@ def moe_gemm(
     if a_k != Ko:
         raise ValueError(f"reduction size of a ({a_k}) must equal b_ENK.size(2) ({Ko})")
     group_n, group_k = group_shape
+    if c_group:
+        if fuse_activation is None or c.dtype != torch.float8_e4m3fn or c_scale is None:
+            raise ValueError(f"c_group ({c_group}) needs fuse_activation, an fp8 e4m3 c (got {c.dtype}) and c_scale")
+        if c_group & (c_group - 1) or tile.BLOCK_N % c_group:
+            raise ValueError(f"c_group ({c_group}) must be a power of two dividing tile.BLOCK_N ({tile.BLOCK_N})")
+        want = (c.shape[0], cdiv(No, c_group))
+        if tuple(c_scale.shape) != want or c_scale.dtype != torch.float32:
+            raise ValueError(f"c_scale ({tuple(c_scale.shape)}, {c_scale.dtype}) must be {want} float32")
     if a_scale_mode is AScale.GROUP:
         if b_scale_mode is not BScale.BLOCK or group_k % tile.BLOCK_K:
             raise ValueError(
@@ -386,6 +415,7 @@ def moe_gemm(
         *_a_scale_strides(a_scale, a_scale_mode, batched),
         *bs,
         *sw,
+        c_scale if c_scale is not None else dummy, *(c_scale.stride() if c_scale is not None else (0, 0)),
         num_pid_m,
         A_ROW_DIV=a_row_div, BATCHED=batched,
         A_SCALE=a_scale_mode.value, B_SCALE=b_scale_mode.value, GROUP_N=group_n, GROUP_K=group_k,
@@ -393,7 +423,7 @@ def moe_gemm(
         DOT_PRECISION="ieee" if is_fp32 else "tf32",
         FUSE_ACT=fuse_activation is not None, ACTIVATION=_ACT_CODE[fuse_activation or Activation.SILU],
         B_TMA=b_arg is not None, A_SORTED=a_sorted, C_SORTED=c_sorted, A_TMA=a_arg is not None,
-        PER_ROUTE=per_route, HAS_MAP=expert_map_E is not None,
+        PER_ROUTE=per_route, HAS_MAP=expert_map_E is not None, OUT_GROUP=c_group,
         BLOCK_M=tile.BLOCK_M, BLOCK_N=tile.BLOCK_N, BLOCK_K=tile.BLOCK_K, GROUP_M=tile.GROUP_M,
         num_warps=tile.num_warps, num_stages=tile.num_stages,
     )
