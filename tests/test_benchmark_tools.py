@@ -167,16 +167,19 @@ def test_tune_merge_keeps_untuned_buckets_and_times_the_shipped_tile(tmp_path, m
 def test_tune_gemm2_candidates_skip_what_was_timed():
     from tools import tune_moe
 
-    best = (16, 64, 128, 1, 4, 4)
-    pool = [best, (16, 32, 128, 1, 4, 4), (32, 64, 64, 1, 4, 4)]
-    # stage 2 keeps best's BLOCK_M, drops best itself and the second-GEMM tiles already timed
-    assert tune_moe.gemm2_candidates(best, pool, tried=((16, 32, 128, 1, 4, 4),)) == [(16, 64, 64, 1, 4, 4)]
-    assert tune_moe.gemm2_candidates(best, pool) == [(16, 32, 128, 1, 4, 4), (16, 64, 64, 1, 4, 4)]
+    flags = (0, 0, 1)  # b_tma, a_tma, act_q: the last three GemmTile fields
+    best = (16, 64, 128, 1, 4, 4) + flags
+    pool = [best, (16, 32, 128, 1, 4, 4, 0, 0, 0), (32, 64, 64, 1, 4, 4, 1, 0, 0)]
+    # stage 2 keeps best's BLOCK_M and act_q (a first-GEMM option), drops best itself and the second-GEMM
+    # tiles already timed
+    assert tune_moe.gemm2_candidates(best, pool, tried=((16, 32, 128, 1, 4, 4) + flags,)) == [
+        (16, 64, 64, 1, 4, 4, 1, 0, 1)]
+    assert tune_moe.gemm2_candidates(best, pool) == [(16, 32, 128, 1, 4, 4) + flags, (16, 64, 64, 1, 4, 4, 1, 0, 1)]
     # a decode tile with BLOCK_M raised to a prefill BLOCK_M can overflow shared memory: pruned
-    wide = (128, 256, 64, 8, 8, 3)
-    deep = [(16, 64, 256, 1, 4, 4), (16, 32, 128, 1, 4, 4)]
+    wide = (128, 256, 64, 8, 8, 3, 0, 0, 0)
+    deep = [(16, 64, 256, 1, 4, 4, 0, 0, 0), (16, 32, 128, 1, 4, 4, 0, 0, 0)]
     fits = lambda t: tune_moe._fits(t, 2, 1024.0, None)  # noqa: E731
-    assert tune_moe.gemm2_candidates(wide, deep, fits=fits) == [(128, 32, 128, 1, 4, 4)]
+    assert tune_moe.gemm2_candidates(wide, deep, fits=fits) == [(128, 32, 128, 1, 4, 4, 0, 0, 0)]
 
 
 def test_tune_space_is_pruned():
@@ -190,11 +193,18 @@ def test_tune_space_is_pruned():
     for t in tune_moe.candidates("full", 2, 1024.0, None, None, 0):
         assert t[5] * (t[0] * t[2] + t[2] * t[1]) * 2 <= tune_moe.SMEM_BYTES
     assert len(tune_moe.candidates("full", 2, 1024.0, None, 7, 0)) == 7
-    # each tile once per weight-load path and activation-load path, the two last GemmTile fields
+    # each tile once per weight-load path, activation-load path and act_q, the three last GemmTile fields
     one, both = (tune_moe.candidates("small", 2, 64.0, None, None, 0, b_tma) for b_tma in ((0,), (0, 1)))
-    assert {t[-2:] for t in one} == {(0, 0)} and sorted(both) == sorted(one + [t[:-2] + (1, 0) for t in one])
+    assert {t[-3:] for t in one} == {(0, 0, 0)}
+    assert sorted(both) == sorted(one + [t[:-3] + (1, 0, 0) for t in one])
     four = tune_moe.candidates("small", 2, 64.0, None, None, 0, (0, 1), (0, 1))
-    assert sorted(four) == sorted(both + [t[:-1] + (1,) for t in both])
+    assert sorted(four) == sorted(both + [t[:-2] + (1, 0) for t in both])
+    # act_q only with a group (fp8 block) that BLOCK_N / 2 holds whole
+    fp8 = tune_moe.candidates("small", 1, 1024.0, 128, None, 0, (0,), (0,), (0, 1))
+    plain = [t for t in fp8 if not t[-1]]
+    assert sorted(fp8) == sorted(plain + [t[:-1] + (1,) for t in plain if t[1] // 2 % 128 == 0])
+    assert any(t[-1] for t in fp8)
+    assert not any(t[-1] for t in tune_moe.candidates("small", 2, 1024.0, None, None, 0, (0,), (0,), (0, 1)))
 
 
 # ---- tools/ab_tiles.py --------------------------------------------------------------------------

@@ -50,7 +50,8 @@ from tools.benchmark_moe import (
 # decode (narrow BLOCK_M, deep BLOCK_K) and prefill (128-row tiles, grouped order) regimes.
 FULL_SPACE = dict(BLOCK_M=(16, 32, 64, 128), BLOCK_N=(32, 64, 128, 256), BLOCK_K=(64, 128, 256),
                   GROUP_M=(1, 8), num_warps=(4, 8), num_stages=(2, 3, 4, 5))
-SMALL_SPACE = [  # (BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, num_warps, num_stages); candidates() appends b_tma, a_tma
+SMALL_SPACE = [  # (BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, num_warps, num_stages); candidates() appends b_tma, a_tma,
+    # act_q
     # decode: one or two tokens per expert, the weights stream through
     (16, 32, 128, 1, 4, 4), (16, 32, 256, 1, 4, 3), (16, 64, 128, 1, 4, 4), (16, 64, 256, 1, 4, 3),
     (16, 64, 256, 1, 4, 4), (16, 128, 128, 1, 4, 3), (16, 128, 256, 1, 8, 3),
@@ -93,9 +94,10 @@ def _fits(t, elt_bytes: int, per_expert: float, block_k_limit: Optional[int]) ->
 
 def candidates(space: str, elt_bytes: int, per_expert: float, block_k_limit: Optional[int],
                max_configs: Optional[int], seed: int, b_tma: tuple[int, ...] = (0,),
-               a_tma: tuple[int, ...] = (0,)) -> list[tuple]:
-    """Stage-1 tiles (shared by both GEMMs) as tuples in GemmTile field order, each once per (b_tma, a_tma)
-    pair of values."""
+               a_tma: tuple[int, ...] = (0,), act_q: tuple[int, ...] = (0,)) -> list[tuple]:
+    """Stage-1 tiles (shared by both GEMMs) as tuples in GemmTile field order, each once per (b_tma, a_tma,
+    act_q) triple of values; act_q 1 only with a group (block_k_limit) that the fused first GEMM's
+    per-half BLOCK_N (BLOCK_N / 2) holds whole."""
     if space == "smoke":
         pool = list(SMOKE_SPACE)
     elif space == "small":
@@ -105,16 +107,18 @@ def candidates(space: str, elt_bytes: int, per_expert: float, block_k_limit: Opt
     pool = [t for t in pool if _fits(t, elt_bytes, per_expert, block_k_limit)] if space != "smoke" else pool
     if max_configs is not None and len(pool) > max_configs:
         pool = random.Random(seed).sample(pool, max_configs)
-    return [t + (tb, ta) for ta in a_tma for tb in b_tma for t in pool]
+    return [t + (tb, ta, aq) for aq in act_q for ta in a_tma for tb in b_tma for t in pool
+            if not aq or (block_k_limit is not None and (t[1] // 2) % block_k_limit == 0)]
 
 
 def gemm2_candidates(best: tuple, pool: list[tuple], tried: tuple = (),
                      fits: Callable[[tuple], bool] = lambda t: True) -> list[tuple]:
-    """Stage-2 tiles for the second GEMM: the pool's tiles with BLOCK_M set to best's that still
-    `fit`, except the second-GEMM tiles already timed with this first GEMM (`tried`)."""
+    """Stage-2 tiles for the second GEMM: the pool's tiles with BLOCK_M and act_q (the last field, a
+    first-GEMM option) set to best's that still `fit`, except the second-GEMM tiles already timed with
+    this first GEMM (`tried`)."""
     seen, out = set(tried) | {best}, []
     for t in pool:
-        c = (best[0],) + tuple(t[1:])
+        c = (best[0],) + tuple(t[1:-1]) + (best[-1],)
         if c not in seen and fits(c):
             seen.add(c)
             out.append(c)
@@ -168,6 +172,9 @@ def parse_args(argv=None):
                    help="activation tiles through pointers (off), tensor descriptors (on), or each tile both ways; "
                         "descriptors need sorted rows (unquantized SiLU / GELU: the tokens are gathered first for "
                         "the first GEMM, the intermediate is written sorted for the second); default off")
+    p.add_argument("--act-q", choices=("off", "on", "both"), default="off",
+                   help="fp8-block: the intermediate's activation and group quantization in the first GEMM's epilogue "
+                        "(on; tiles whose BLOCK_N / 2 holds whole groups) or in act_and_mul (off), or both ways")
     p.add_argument("--no-gemm2", dest="gemm2", action="store_false", help="skip stage 2 (gemm2 overrides)")
     p.add_argument("--no-incumbent", dest="incumbent", action="store_false",
                    help="do not time the tiles TritonExperts picks today as a stage-1 candidate")
@@ -189,7 +196,7 @@ def parse_args(argv=None):
             has_tma = gpu_has_tma(torch.device("cuda", torch.cuda.current_device()))
         args.b_tma = "both" if has_tma else "off"
     ways = {"off": (0,), "on": (1,), "both": (0, 1)}
-    args.b_tma, args.a_tma = ways[args.b_tma], ways[args.a_tma]
+    args.b_tma, args.a_tma, args.act_q = ways[args.b_tma], ways[args.a_tma], ways[args.act_q]
     if args.smoke:
         args.space, args.gemm2, args.rep_ms, args.b_tma = "smoke", False, 1.0, (0,)
     return args, shapes
@@ -229,7 +236,7 @@ def main(argv=None) -> int:
             plans = []
             for M in args.ms:
                 pool = candidates(args.space, elt, M * shape.topk / shape.E, limit, args.max_configs, args.seed + M,
-                                  args.b_tma, args.a_tma)
+                                  args.b_tma, args.a_tma, args.act_q)
                 plans.append((M, pool))
 
             def per_bucket(pool: list) -> int:
