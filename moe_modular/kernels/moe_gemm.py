@@ -82,7 +82,8 @@ class GemmTile:
     num_stages: int = 3
     b_tma: int = 0  # 1: B tiles arrive through a tensor descriptor (TMA on Hopper) instead of pointers
     a_tma: int = 0  # 1: A tiles too, where A's rows are contiguous per block (sorted A, batched format)
-    act_q: int = 0  # 1 (fp8-block, standard format): the activation and its group quantization in the epilogue
+    act_q: int = 0  # 1 (fp8-block, standard format; read from the first GEMM's tile): the activation and its group
+    # quantization in the epilogue
 
 
 @triton.jit
