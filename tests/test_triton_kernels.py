@@ -235,6 +235,25 @@ def test_moe_gemm_batched_matches_oracle_and_leaves_unused_slots(dtype, qc, b_tm
 
 
 # ---- act_and_mul ----------------------------------------------------------------------------
+def test_act_blocks_spread_small_batches_over_the_gpu():
+    from moe_modular.kernels.act_and_mul import TARGET_PROGRAMS, act_blocks
+    from moe_modular.kernels.host import cdiv
+
+    for R, N in ((8, 768), (16, 2048), (64, 14336), (8192, 768), (131072, 2048)):
+        for quant in IntermediateQuant:
+            br, bn, cols = act_blocks(R, N, quant, 128, True)
+            programs = cdiv(R, br) * cdiv(N, cols)
+            assert cols % bn == 0 and br >= 1
+            if quant is IntermediateQuant.GROUP:
+                assert bn == 128
+            if quant is IntermediateQuant.TOKEN:
+                assert cols >= N, "per-token scales need whole rows in one program"
+            # enough programs, or nothing left to split
+            assert programs >= TARGET_PROGRAMS or (br == 1 and (cols == bn or quant is IntermediateQuant.TOKEN)), \
+                (R, N, quant, br, bn, cols)
+    assert act_blocks(131072, 768, IntermediateQuant.GROUP, 128, True)[2] == 768  # enough rows: whole rows
+
+
 # (activation, quant, N): N=40 is not a multiple of the 32-wide groups / column tiles
 ACT_CASES = [
     (Activation.SILU, IntermediateQuant.NONE, 40),
@@ -252,14 +271,27 @@ _ORACLE_QUANT = {IntermediateQuant.TENSOR_STATIC: QuantConfig.fp8_per_tensor(sta
                  IntermediateQuant.GROUP: QuantConfig.fp8_block((32, 32))}
 
 
+def _gpu_act_blocks(monkeypatch):
+    """Make act_and_mul launch with the blocks a GPU picks (rows and columns split over many programs)."""
+    from moe_modular.kernels import act_and_mul as act_module
+
+    real = act_module.act_blocks
+    monkeypatch.setattr(act_module, "act_blocks", lambda R, N, quant, group, gpu: real(R, N, quant, group, True))
+
+
+@pytest.mark.parametrize("blocks", ["launch", "gpu"])
 @pytest.mark.parametrize("activation,quant,N", ACT_CASES, ids=lambda v: getattr(v, "value", str(v)))
-def test_act_and_mul_matches_oracle(activation, quant, N):
+def test_act_and_mul_matches_oracle(activation, quant, N, blocks, monkeypatch):
+    if blocks == "gpu":
+        _gpu_act_blocks(monkeypatch)
     R = 6
     x = (torch.randn(R, 2 * N, generator=_gen(7)) * 3).to(torch.bfloat16)
     x[0, :] = 0.0  # an all-zero row: the minimum amax keeps its scale finite
     ref = act_and_mul_torch(x, activation)
     static = (ref.abs().max() / 300).reshape(1)  # a static scale that does not saturate
-    out, scale = act_and_mul(x.to(DEVICE), activation, quant=quant, group_size=32,
+    out = torch.full((R, N), float("nan"), device=DEVICE).to(
+        torch.bfloat16 if quant is IntermediateQuant.NONE else FP8_DTYPE)
+    out, scale = act_and_mul(x.to(DEVICE), activation, out, quant=quant, group_size=32,
                              scale=static.to(DEVICE) if quant is IntermediateQuant.TENSOR_STATIC else None)
     if quant is IntermediateQuant.NONE:
         assert _rel(out.cpu(), ref) <= 2 * torch.finfo(torch.bfloat16).eps
@@ -278,8 +310,11 @@ def test_act_and_mul_matches_oracle(activation, quant, N):
     assert _rel(deq, ref) <= FP8_EPS
 
 
-def test_act_and_mul_routes_skip_rows_not_held_and_scale_per_expert():
+@pytest.mark.parametrize("blocks", ["launch", "gpu"])
+def test_act_and_mul_routes_skip_rows_not_held_and_scale_per_expert(blocks, monkeypatch):
     # 4 tokens x topk 2 = 8 routes over El=2 local experts; expert_map sends global expert 2 nowhere
+    if blocks == "gpu":
+        _gpu_act_blocks(monkeypatch)
     T, k, N = 4, 2, 16
     ids = torch.tensor([[0, 2], [1, 0], [2, 1], [0, 1]], dtype=torch.int32)
     emap = _expert_map(3, [0, 1])

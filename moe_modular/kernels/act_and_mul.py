@@ -19,6 +19,7 @@ from moe_modular.config import Activation
 from moe_modular.kernels.moe_align import _local_expert_of_route
 from moe_modular.quant import FP8_DTYPE, FP8_MAX
 
+TARGET_PROGRAMS = 4096  # a GPU launch spreads smaller batches over at least this many programs (act_blocks)
 SWIGLU_OAI_ALPHA = 1.702
 SWIGLU_OAI_LIMIT = 7.0
 
@@ -128,12 +129,16 @@ def _to_fp8(h, scale, out_dtype: tl.constexpr):
 @triton.jit
 def _act_and_mul_kernel(
     x_ptr, out_ptr, scale_ptr, amax_ptr, topk_ids_ptr, expert_map_ptr, expert_num_tokens_ptr,
-    num_rows, N, slots, num_local_experts,
+    num_rows, N, slots, num_local_experts, cols,
     stride_xm, stride_xn, stride_om, stride_on, stride_sm, stride_sn,
     ACTIVATION: tl.constexpr, ROW_MODE: tl.constexpr, HAS_MAP: tl.constexpr, QUANT: tl.constexpr,
     BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
+    # Program (pid, pid_c): BLOCK_R rows x the columns [c0, c1), `cols` (a multiple of BLOCK_N) wide,
+    # walked BLOCK_N at a time; per-token quantization launches whole rows (cols >= N).
     pid = tl.program_id(0)
+    c0 = tl.program_id(1) * cols
+    c1 = tl.minimum(c0 + cols, N)
     rows = pid * BLOCK_R + tl.arange(0, BLOCK_R)
     if ROW_MODE == _ROWS_ROUTES:
         expert, valid = _local_expert_of_route(topk_ids_ptr, expert_map_ptr, rows, num_rows, num_local_experts,
@@ -152,7 +157,7 @@ def _act_and_mul_kernel(
 
     if QUANT == _Q_AMAX or QUANT == _Q_TOKEN:
         amax = tl.zeros((BLOCK_R,), dtype=tl.float32)
-        for n0 in range(0, N, BLOCK_N):
+        for n0 in range(c0, c1, BLOCK_N):
             offs_n = n0 + tl.arange(0, BLOCK_N)
             m = valid[:, None] & (offs_n[None, :] < N)
             h = _act_tile(x_rows, offs_n, m, N, stride_xn, ACTIVATION)
@@ -166,9 +171,9 @@ def _act_and_mul_kernel(
         tensor_scale = tl.load(scale_ptr)
     if QUANT == _Q_EXPERT:
         expert_scale = _scale_of(tl.load(amax_ptr + expert, mask=valid, other=1.0))
-        tl.store(scale_ptr + expert, expert_scale, mask=valid)
+        tl.store(scale_ptr + expert, expert_scale, mask=valid & (c0 == 0))
 
-    for n0 in range(0, N, BLOCK_N):
+    for n0 in range(c0, c1, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         m = valid[:, None] & (offs_n[None, :] < N)
         h = _act_tile(x_rows, offs_n, m, N, stride_xn, ACTIVATION)
@@ -187,6 +192,30 @@ def _act_and_mul_kernel(
         tl.store(o_rows + offs_n[None, :] * stride_on, y, mask=m)
 
 
+def act_blocks(R: int, N: int, quant: IntermediateQuant, group_size: int, gpu: bool) -> tuple[int, int, int]:
+    """(BLOCK_R, BLOCK_N, cols) of one launch: programs of BLOCK_R rows x `cols` columns (a multiple of
+    BLOCK_N; BLOCK_N is the group for GROUP quantization). Per-token quantization needs whole rows
+    (cols >= N). On a GPU, where few rows would leave most of it idle, a program's columns and then its
+    rows are halved until the launch has TARGET_PROGRAMS programs; the interpreter (CPU) runs the
+    fewest programs fastest."""
+    if quant is IntermediateQuant.GROUP:
+        block_n = group_size
+    else:
+        block_n = min(next_pow2(N), 1024 if gpu else 128)
+    block_r = max(1, min(next_pow2(R), 4096 // block_n)) if gpu else 16
+    units = cdiv(N, block_n)  # BLOCK_N-wide column blocks per program
+    if gpu:
+        whole_rows = quant is IntermediateQuant.TOKEN
+        while cdiv(R, block_r) * cdiv(cdiv(N, block_n), units) < TARGET_PROGRAMS:
+            if units > 1 and not whole_rows:
+                units = cdiv(units, 2)
+            elif block_r > 1:
+                block_r //= 2
+            else:
+                break
+    return block_r, block_n, units * block_n
+
+
 def act_and_mul(
     x_RN2: torch.Tensor,
     activation: Activation,
@@ -202,7 +231,6 @@ def act_and_mul(
     num_local_experts: int = 1,
     expert_num_tokens_El: Optional[torch.Tensor] = None,
     slots: int = 1,
-    block_rows: Optional[int] = None,
 ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """Triton act_and_mul over x_RN2 (R, 2N) bf16/fp16/fp32 (rows with unit column stride).
 
@@ -243,21 +271,16 @@ def act_and_mul(
         topk_ids_Tk = topk_ids_Tk if topk_ids_Tk.is_contiguous() else topk_ids_Tk.contiguous()
     if row_mode is RowMode.BATCHED and (expert_num_tokens_El is None or R != num_local_experts * slots):
         raise ValueError(f"row_mode batched needs expert_num_tokens_El and R ({R}) == El * slots")
-    if quant is IntermediateQuant.GROUP:
-        block_n = group_size
-    else:
-        block_n = min(next_pow2(N), 1024 if x_RN2.is_cuda else 128)
-    if block_rows is None:
-        block_rows = max(1, min(next_pow2(R), 4096 // block_n)) if x_RN2.is_cuda else 16
+    block_rows, block_n, cols = act_blocks(R, N, quant, group_size, x_RN2.is_cuda)
     dummy = x_RN2
     sc = scale if scale is not None else dummy
     ss = (scale.stride(0), scale.stride(1)) if (scale is not None and scale.dim() == 2) else (0, 0)
-    grid = (cdiv(R, block_rows),)
+    grid = (cdiv(R, block_rows), cdiv(N, cols))
     common = dict(ACTIVATION=code, ROW_MODE=row_mode.value, HAS_MAP=expert_map_E is not None,
                   BLOCK_R=block_rows, BLOCK_N=block_n, num_warps=4)
     ptrs = (topk_ids_Tk if topk_ids_Tk is not None else dummy, expert_map_E if expert_map_E is not None else dummy,
             expert_num_tokens_El if expert_num_tokens_El is not None else dummy)
-    sizes = (R, N, slots, num_local_experts, x_RN2.stride(0), x_RN2.stride(1), out_RN.stride(0), out_RN.stride(1),
+    sizes = (R, N, slots, num_local_experts, cols, x_RN2.stride(0), x_RN2.stride(1), out_RN.stride(0), out_RN.stride(1),
              *ss)
     if quant is IntermediateQuant.TENSOR_DYNAMIC:
         if amax_El is None:
