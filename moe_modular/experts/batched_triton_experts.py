@@ -13,10 +13,8 @@ from typing import Optional
 
 import torch
 
-from moe_modular.config import Activation, MoEConfig
+from moe_modular.config import Activation
 from moe_modular.experts.triton_common import (
-    BoundedMemo,
-    TileSelector,
     WorkspaceLayout,
     bytes_to_numel,
     check_device,
@@ -24,42 +22,23 @@ from moe_modular.experts.triton_common import (
     h1_dtype,
     h1_view,
     intermediate_regions,
-    scheme_modes,
-    triton_supports,
 )
-from moe_modular.interfaces import ActivationFormat, ExpertTokensMetadata, FusedMoEExpertsModular
-from moe_modular.quant import MoEQuantParams
+from moe_modular.experts.triton_experts_base import TritonExpertsBase
+from moe_modular.interfaces import ActivationFormat, ExpertTokensMetadata
 from moe_modular.weight_and_reduce import TopKWeightAndReduceDelegate
 
 
-class BatchedTritonExperts(FusedMoEExpertsModular):
+class BatchedTritonExperts(TritonExpertsBase):
     """bf16 / fp16 / fp32, unquantized or any fp8 scheme (as TritonExperts); SiLU, GELU,
     swiglu-oai. Takes slots already grouped per local expert, so expert maps were applied by the
     PF. Writes unweighted (El, Bt, K) slot outputs; the PF picks the reduction (Delegate).
 
-    Extra keywords: tile_table (a TileConfigTable) or tile_config (fixed tiles), and
-    fuse_activation (the activation in the first GEMM's epilogue), as TritonExperts.
+    Extra keywords (tile_table, tile_config, fuse_activation): TritonExpertsBase.
     """
-
-    def __init__(self, moe: MoEConfig, quant: MoEQuantParams, max_num_tokens: Optional[int] = None,
-                 num_dispatchers: int = 1, *, tile_table=None, tile_config=None,
-                 fuse_activation: bool = True) -> None:
-        super().__init__(moe, quant, max_num_tokens=max_num_tokens, num_dispatchers=num_dispatchers)
-        self.modes = scheme_modes(moe.quant)
-        self.tiles = TileSelector(moe, tile_table, tile_config)
-        self.fuse_activation = fuse_activation
-        self._layouts = BoundedMemo()
-
-    @classmethod
-    def supports(cls, moe: MoEConfig) -> tuple[bool, str]:
-        return triton_supports(moe)
 
     @classmethod
     def activation_formats(cls) -> tuple[ActivationFormat, ActivationFormat]:
         return ActivationFormat.BatchedExperts, ActivationFormat.BatchedExperts
-
-    def supports_expert_map(self) -> bool:
-        return True
 
     def supports_chunking(self) -> bool:
         return False

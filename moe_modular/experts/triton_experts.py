@@ -25,11 +25,9 @@ from typing import Optional
 
 import torch
 
-from moe_modular.config import Activation, MoEConfig
+from moe_modular.config import Activation
 from moe_modular.experts.triton_common import (
     MAX_BLOCK_M,
-    BoundedMemo,
-    TileSelector,
     WorkspaceLayout,
     bytes_to_numel,
     check_device,
@@ -39,11 +37,9 @@ from moe_modular.experts.triton_common import (
     h1_view,
     intermediate_regions,
     overlapping_view,
-    scheme_modes,
-    triton_supports,
 )
-from moe_modular.interfaces import ActivationFormat, ExpertTokensMetadata, FusedMoEExpertsModular
-from moe_modular.quant import MoEQuantParams
+from moe_modular.experts.triton_experts_base import TritonExpertsBase
+from moe_modular.interfaces import ActivationFormat, ExpertTokensMetadata
 from moe_modular.weight_and_reduce import TopKWeightAndReduceNoOp
 
 
@@ -62,36 +58,18 @@ def _align_regions(layout: WorkspaceLayout, R: int, El: int) -> WorkspaceLayout:
     return layout
 
 
-class TritonExperts(FusedMoEExpertsModular):
+class TritonExperts(TritonExpertsBase):
     """bf16 / fp16 / fp32, unquantized or fp8 (per-tensor static or dynamic, per-token with
     per-channel weights, 1xBk group with BnxBk block weights); SiLU, GELU and swiglu-oai; expert
     maps. Applies the top-k weights in the second GEMM and reduces the routes itself, so it
     writes the final (T, K) and the PF has nothing left to reduce (TopKWeightAndReduceNoOp).
 
-    Extra keywords: tile_table (a TileConfigTable; the packaged tables when None) or tile_config
-    (fixed tiles for every call, e.g. in tests); fuse_activation (default True: the unquantized
-    SiLU / GELU activation runs in the first GEMM's epilogue; False keeps the separate kernel).
+    Extra keywords (tile_table, tile_config, fuse_activation): TritonExpertsBase.
     """
-
-    def __init__(self, moe: MoEConfig, quant: MoEQuantParams, max_num_tokens: Optional[int] = None,
-                 num_dispatchers: int = 1, *, tile_table=None, tile_config=None,
-                 fuse_activation: bool = True) -> None:
-        super().__init__(moe, quant, max_num_tokens=max_num_tokens, num_dispatchers=num_dispatchers)
-        self.modes = scheme_modes(moe.quant)
-        self.tiles = TileSelector(moe, tile_table, tile_config)
-        self.fuse_activation = fuse_activation
-        self._layouts = BoundedMemo()
-
-    @classmethod
-    def supports(cls, moe: MoEConfig) -> tuple[bool, str]:
-        return triton_supports(moe)
 
     @classmethod
     def activation_formats(cls) -> tuple[ActivationFormat, ActivationFormat]:
         return ActivationFormat.Standard, ActivationFormat.Standard
-
-    def supports_expert_map(self) -> bool:
-        return True
 
     def supports_chunking(self) -> bool:
         return True
