@@ -176,21 +176,21 @@ class TritonExperts(TritonExpertsBase):
             align = dict(sorted_ids_S=sorted_ids, block_expert_Mb=block_expert, num_post_padded=num_post_padded,
                          num_routes=R)
         inter_scale = buf.get("intermediate_scale", a2_scale)
+        gemm1_scales = dict(a_scale=a1q_scale, a_scale_mode=modes.a1, b_scale=q.w1_scale, b_scale_mode=modes.w,
+                            group_shape=group)
         if fused:
             a1 = hidden_states
             if sort_in:  # workspace13's y is written only after GEMM1 is done with the sorted tokens
                 a1 = sort_rows(hidden_states, sorted_ids, num_post_padded, topk,
                                overlapping_view(workspace13, (sorted_ids.numel(), K), hidden_states.dtype))
-            quantized = {}  # fp8 block (act_q): the group scales of the tokens and weights in, of the intermediate out
-            if q.config.is_quantized:
-                quantized = dict(a_scale=a1q_scale, a_scale_mode=modes.a1, b_scale=q.w1_scale, b_scale_mode=modes.w,
-                                 group_shape=group, c_scale=inter_scale, c_group=group[1])
+            # fp8 block (act_q): the intermediate leaves quantized, one scale per row and group
+            inter_q = dict(c_scale=inter_scale, c_group=group[1]) if q.config.is_quantized else {}
             moe_gemm(a1, w1, buf["intermediate"], self.tiles.fused_gemm1(cfg.gemm1), a_row_div=topk,
-                     fuse_activation=activation, a_sorted=sort_in, c_sorted=sort_mid, **quantized, **align)
+                     fuse_activation=activation, a_sorted=sort_in, c_sorted=sort_mid, **gemm1_scales, **inter_q,
+                     **align)
         else:
             h1 = h1_view(workspace13, (R, N2), self.moe, sized_fused, activation)
-            moe_gemm(hidden_states, w1, h1, cfg.gemm1, a_scale=a1q_scale, a_scale_mode=modes.a1,
-                     b_scale=q.w1_scale, b_scale_mode=modes.w, group_shape=group, a_row_div=topk, **align)
+            moe_gemm(hidden_states, w1, h1, cfg.gemm1, a_row_div=topk, **gemm1_scales, **align)
             act_and_mul(h1, activation, buf["intermediate"], quant=modes.intermediate, scale=inter_scale,
                         amax_El=buf.get("amax"), group_size=group[1] if q.config.is_block else 128,
                         row_mode=RowMode.ROUTES, topk_ids_Tk=topk_ids, expert_map_E=expert_map,
