@@ -26,6 +26,7 @@ pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
 # moe-modular itself, with its vllm.general_plugins entry point.
 pip install -q --no-deps -e .
 installed=$(date +%s)
+df -h . | tail -n 1 | awk '{print "vllm_e2e: " $4 " free after the install"}'
 echo "vllm_e2e: install took $((installed - start)) s"
 
 python - <<'EOF'
