@@ -224,8 +224,13 @@ class MoEQuantParams:
 
 # ---- torch helpers ----------------------------------------------------------------
 
-def _scale_from_amax(amax: torch.Tensor) -> torch.Tensor:
-    return (amax.float().clamp(min=_MIN_AMAX) / FP8_MAX).to(torch.float32)
+def scale_from_amax(amax: torch.Tensor) -> torch.Tensor:
+    """The fp8 scale of an amax: max(amax, 1e-12) / 448, correctly rounded on every device, as the
+    kernels compute it. (The divisor is a tensor: torch on CUDA turns a division by a Python scalar into
+    a multiplication by its reciprocal, which can be a last bit off; one scale a bit off moves the
+    rounding of its whole row or group, and the oracle then disagrees with the kernels.)"""
+    a = amax.float().clamp(min=_MIN_AMAX)
+    return (a / torch.full_like(a, FP8_MAX)).to(torch.float32)
 
 
 def _cast_fp8(x_scaled: torch.Tensor) -> torch.Tensor:
@@ -260,13 +265,13 @@ def quantize_activations(
         if static:
             scale = static_scale.float().reshape(1)
         else:
-            scale = _scale_from_amax(xf.abs().amax().reshape(1)) if xf.numel() else torch.ones(
+            scale = scale_from_amax(xf.abs().amax().reshape(1)) if xf.numel() else torch.ones(
                 1, dtype=torch.float32, device=x_TK.device)
         return _cast_fp8(xf / scale), scale
     if config.activation is ActivationQuant.PER_TOKEN:
         if xf.shape[0] == 0:
             return xf.to(FP8_DTYPE), torch.ones((0, 1), dtype=torch.float32, device=x_TK.device)
-        scale = _scale_from_amax(xf.abs().amax(dim=-1, keepdim=True))
+        scale = scale_from_amax(xf.abs().amax(dim=-1, keepdim=True))
         return _cast_fp8(xf / scale), scale
     # GROUP: 1 x Bk groups along K; the last group may be partial.
     bk = config.group_size
@@ -275,7 +280,7 @@ def quantize_activations(
     padded = torch.zeros((T, G * bk), dtype=torch.float32, device=x_TK.device)
     padded[:, :K] = xf
     groups = padded.view(T, G, bk)
-    scale = _scale_from_amax(groups.abs().amax(dim=-1)) if T else torch.ones(
+    scale = scale_from_amax(groups.abs().amax(dim=-1)) if T else torch.ones(
         (0, G), dtype=torch.float32, device=x_TK.device)
     xq = _cast_fp8(groups / scale.unsqueeze(-1)).view(T, G * bk)[:, :K].contiguous()
     return xq, scale
@@ -327,17 +332,17 @@ def quantize_weights(w_ENK: torch.Tensor, config: QuantConfig) -> tuple[torch.Te
     wf = w_ENK.float()
     E, N, K = wf.shape
     if config.weight is WeightQuant.PER_TENSOR:
-        scale = _scale_from_amax(wf.abs().amax(dim=(1, 2)))
+        scale = scale_from_amax(wf.abs().amax(dim=(1, 2)))
         return _cast_fp8(wf / scale.view(E, 1, 1)), scale
     if config.weight is WeightQuant.PER_CHANNEL:
-        scale = _scale_from_amax(wf.abs().amax(dim=2, keepdim=True))
+        scale = scale_from_amax(wf.abs().amax(dim=2, keepdim=True))
         return _cast_fp8(wf / scale), scale
     bn, bk = config.block_shape
     Nb, Kb = -(-N // bn), -(-K // bk)
     padded = torch.zeros((E, Nb * bn, Kb * bk), dtype=torch.float32, device=w_ENK.device)
     padded[:, :N, :K] = wf
     blocks = padded.view(E, Nb, bn, Kb, bk)
-    scale = _scale_from_amax(blocks.abs().amax(dim=(2, 4)))  # (E, Nb, Kb)
+    scale = scale_from_amax(blocks.abs().amax(dim=(2, 4)))  # (E, Nb, Kb)
     q = _cast_fp8(blocks / scale.view(E, Nb, 1, Kb, 1)).view(E, Nb * bn, Kb * bk)[:, :N, :K]
     return q.contiguous(), scale
 

@@ -36,7 +36,8 @@ DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 def tolerance(dtype: torch.dtype, qc: QuantConfig) -> float:
     """||out - ref|| / ||ref||: fp8 rounding-boundary flips of the intermediate (a quarter of e4m3's
-    epsilon); 16-bit: two roundings' worth; fp32: accumulation order."""
+    epsilon; see tests/modular_kernel_tools/common.py); 16-bit: two roundings' worth; fp32: accumulation
+    order."""
     if qc.is_quantized:
         return torch.finfo(FP8_DTYPE).eps / 4
     return 1e-4 if dtype == torch.float32 else 2 * torch.finfo(dtype).eps

@@ -547,6 +547,9 @@ def test_quantize_fp8_kernel_matches_torch_bit_for_bit(T, K, dtype, qc):
     if DEVICE.type == "cuda":  # quantize_activations itself takes the kernel on CUDA tensors
         q2, s2 = quantize_activations(xd, qc, static.to(DEVICE) if static is not None else None)
         assert torch.equal(q2.view(torch.uint8), q.view(torch.uint8)) and torch.equal(s2, s)
+        # and the torch path on CUDA tensors (the oracle's) gives the CPU's bits too
+        q3, s3 = quantize_activations(xd, qc, static.to(DEVICE) if static is not None else None, use_kernel=False)
+        assert torch.equal(s3.cpu(), ref_s) and torch.equal(q3.cpu().view(torch.uint8), ref_q.view(torch.uint8))
 
 
 def test_quantize_fp8_rejects_bad_arguments():

@@ -19,16 +19,13 @@ from all2all.rows import RowField, RowFormat
 from moe_modular.config import MoEConfig
 from moe_modular.quant import (
     FP8_DTYPE,
-    FP8_MAX,
     ActivationQuant,
     MoEQuantParams,
     QuantConfig,
     quantize_activations,
+    scale_from_amax,
 )
 from moe_modular.routing import make_expert_map
-
-# Smallest amax used for a dynamic per-tensor scale (the same floor quant.py uses).
-_MIN_AMAX = 1e-12
 
 
 @dataclass(frozen=True)
@@ -94,7 +91,7 @@ def quantize_for_dispatch(
         amax = a1_TK.float().abs().amax().reshape(1) if a1_TK.numel() else torch.zeros(
             1, dtype=torch.float32, device=a1_TK.device)
         dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=group)
-        scale = amax.clamp(min=_MIN_AMAX) / FP8_MAX
+        scale = scale_from_amax(amax)
         static_cfg = QuantConfig(cfg.quant_dtype, cfg.activation, cfg.weight, cfg.block_shape, True)
         return quantize_activations(a1_TK, static_cfg, scale)
     return quantize_activations(a1_TK, cfg, quant.a1_scale)
