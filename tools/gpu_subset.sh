@@ -2,14 +2,24 @@
 # The GPU subset on one CUDA machine: the combinations matrix at world size 1 (CUDA tensors; the
 # EP PFs over a one-rank NCCL group), a larger-shape pass of the Triton experts, the EP backend
 # checks (symmetric-memory refusal, DeepEP), and the profiler. Logs and traces go to ${OUT:-out}.
-#   bash tools/gpu_subset.sh
+#   bash tools/gpu_subset.sh                          # every step (about 11 minutes on one H200)
+#   bash tools/gpu_subset.sh matrix_ws1 pytest_gpu    # only the named steps
 set -uo pipefail
+steps="matrix_ws1 check_ep_gpu profile profile_a2a matrix_triton_large matrix_batched_large matrix_a2a_large pytest_gpu"
+for want in "$@"; do
+  case " $steps " in
+    *" $want "*) ;;
+    *) echo "gpu_subset.sh: unknown step '$want'; allowed: $steps" >&2; exit 2 ;;
+  esac
+done
+selected=" ${*:-$steps} "
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 out=${OUT:-out}
 mkdir -p "$out"
 status=0
 step() {  # name, time limit in seconds, command...
   local name=$1 limit=$2; shift 2
+  case "$selected" in *" $name "*) ;; *) return 0 ;; esac
   local t0=$SECONDS
   timeout "$limit" "$@" > "$out/$name.log" 2>&1
   local rc=$?
