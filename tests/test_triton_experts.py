@@ -19,7 +19,7 @@ from moe_modular.kernels.moe_gemm import GemmTile
 from moe_modular.modular_kernel import FusedMoEModularKernel
 from moe_modular.prepare_finalize.batched import BatchedPrepareAndFinalize
 from moe_modular.prepare_finalize.no_ep import MoEPrepareAndFinalizeNoEP
-from moe_modular.quant import FP8_DTYPE, MoEQuantParams, QuantConfig, quantize_weights
+from moe_modular.quant import MoEQuantParams, QuantConfig, quantize_weights
 from moe_modular.reference import moe_torch
 from moe_modular.tile_config import (
     CONFIG_DIR,
@@ -30,17 +30,9 @@ from moe_modular.tile_config import (
 )
 from moe_modular.weight_and_reduce import TopKWeightAndReduceDelegate, TopKWeightAndReduceNoOp
 from moe_modular.workspace import WorkspaceCache
+from tests.modular_kernel_tools.common import tolerance
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-
-
-def tolerance(dtype: torch.dtype, qc: QuantConfig) -> float:
-    """||out - ref|| / ||ref||: fp8 rounding-boundary flips of the intermediate (a quarter of e4m3's
-    epsilon; see tests/modular_kernel_tools/common.py); 16-bit: two roundings' worth; fp32: accumulation
-    order."""
-    if qc.is_quantized:
-        return torch.finfo(FP8_DTYPE).eps / 4
-    return 1e-4 if dtype == torch.float32 else 2 * torch.finfo(dtype).eps
 
 
 @dataclass(frozen=True)

@@ -12,17 +12,16 @@ from moe_modular.quant import QuantConfig, QuantDtype
 
 # Tolerance on ||out - ref|| / ||ref|| against the float32 oracle, from the narrowest number
 # format on the path. 16-bit: 2 x machine epsilon (inputs, intermediate and output are rounded
-# once each). fp8: the oracle models the quantization itself, so only rounding-boundary flips of
-# the intermediate remain: a quarter of e4m3's epsilon. fp32: accumulation order only.
+# once each). fp8: the oracle models the quantization itself, so what remains is intermediate values
+# whose fp8 rounding flips between the kernel and the oracle: almost none with exact float32
+# accumulation (1.6e-3 - 2.4e-3 on the H200, mostly the bf16 output), about 1% with Hopper's
+# reduced-precision fp8 accumulation in 64-row tiles (1.0e-2 - 1.2e-2 at K = 2048 there); a quarter
+# of e4m3's epsilon, 3.1e-2, holds both. fp32: accumulation order only.
 _TOLERANCE_BY_DTYPE = {
     torch.float32: 1e-4,
     torch.float16: 2 * torch.finfo(torch.float16).eps,
     torch.bfloat16: 2 * torch.finfo(torch.bfloat16).eps,
 }
-# fp8: ||out - ref|| / ||ref|| is set by intermediate values whose fp8 rounding flips between the kernel
-# and the oracle. Exact float32 accumulation flips almost none (1.6e-3 - 2.4e-3 on the H200, mostly the
-# bf16 output); Hopper's reduced-precision fp8 accumulation in 64-row tiles flips about 1% of them
-# (1.0e-2 - 1.2e-2 at K = 2048 there). A quarter of e4m3's epsilon, 3.1e-2, holds both.
 _FP8_TOLERANCE = torch.finfo(torch.float8_e4m3fn).eps / 4
 
 
