@@ -413,7 +413,7 @@ def test_tile_table_round_trip_and_nearest_bucket(tmp_path):
     # 256: the second GEMM narrower, its weights through pointers while the first uses TMA, and its
     # activations through a descriptor
     buckets = {1: TileConfig(small, small),
-               256: TileConfig(replace(big, b_tma=1, tail_m=16), replace(big, BLOCK_N=64, a_tma=1))}
+               256: TileConfig(replace(big, b_tma=1, persistent=2), replace(big, BLOCK_N=64, a_tma=1))}
     (tmp_path / TileConfigTable.file_name(key)).write_text(TileConfigTable.to_yaml(key, buckets, "a test table"))
     table = TileConfigTable.load(str(tmp_path))
     assert table.tables == {key: buckets}
@@ -439,8 +439,8 @@ def test_tile_table_round_trip_and_nearest_bucket(tmp_path):
       "tiles": {1: {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 64, "a_tma": -1}}},
      r"gemm1.a_tma \(-1\) must be 0 or 1"),
     ({"E": 8, "N": 1, "K": 1, "dtype": "bfloat16", "quant": "unquantized", "device": "cpu",
-      "tiles": {1: {"BLOCK_M": 32, "BLOCK_N": 64, "BLOCK_K": 64, "gemm2": {"tail_m": 32}}}},
-     r"gemm2.tail_m \(32\) must be 0 or a power of two in \[16, BLOCK_M = 32\)"),
+      "tiles": {1: {"BLOCK_M": 32, "BLOCK_N": 64, "BLOCK_K": 64, "gemm2": {"persistent": 3}}}},
+     r"gemm2.persistent \(3\) must be one of \(0, 1, 2\)"),
 ])
 def test_tile_table_errors_name_the_field(doc, message):
     with pytest.raises(ValueError, match=message):

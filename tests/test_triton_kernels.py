@@ -491,10 +491,9 @@ def test_moe_gemm_sorted_intermediate_chain_matches_oracle(a_tma):
         moe_gemm(inter[: T * k], w2.to(DEVICE), y.to(DEVICE), tile, a_sorted=True, **align)
 
 
-# Routes per expert for the tail tests (BLOCK_M 32, tail_m 16): expert 0 fills a block and leaves 8 routes
-# (a tail block), expert 1 has 20 (more than tail_m: a full tile), expert 2 exactly 16 (a tail block with
-# every row a route), expert 3 none.
-TAIL_COUNTS = [40, 20, 16, 0]
+# Routes per expert for the persistent tests (BLOCK_M 16): two full blocks and a partial one, one partial
+# block, exactly one full block, none.
+PERSISTENT_COUNTS = [41, 9, 16, 0]
 
 
 def _routes_with_counts(counts, k, g):
@@ -503,17 +502,18 @@ def _routes_with_counts(counts, k, g):
     return ids[torch.randperm(ids.numel(), generator=g)].view(-1, k)
 
 
+@pytest.mark.parametrize("persistent", [1, 2])
 @pytest.mark.parametrize("dtype,qc", [GEMM_SCHEMES[0], GEMM_SCHEMES[3]], ids=lambda v: getattr(v, "name", str(v)))
-def test_moe_gemm_tail_blocks_match_oracle(dtype, qc):
-    # tail_m: a block whose routes fit in its first tail_m entries runs a tail_m-row tile; the result is
-    # the oracle's either way, and the padding rows are not written.
-    k, E, K, No = 2, len(TAIL_COUNTS), 64, 48
-    g = _gen(61)
-    ids = _routes_with_counts(TAIL_COUNTS, k, g)
+def test_moe_gemm_persistent_matches_oracle(dtype, qc, persistent):
+    # A program per SM (a few in the interpreter) walking the tiles of the filled blocks: the oracle's
+    # result for every route.
+    k, E, K, No = 2, len(PERSISTENT_COUNTS), 64, 48
+    g = _gen(61 + persistent)
+    ids = _routes_with_counts(PERSISTENT_COUNTS, k, g)
     T = ids.shape[0]
     xq, xs, wq, ws = _gemm_inputs(T, K, E, No, dtype, qc, seed=62)
     topk_w = torch.rand(T, k, generator=g)
-    tile = GemmTile(32, 32, 32, 1, 4, 2, tail_m=16)
+    tile = GemmTile(16, 32, 32, 2, 4, 2, persistent=persistent)
     sorted_ids, block_expert, npp = moe_align(ids.to(DEVICE), tile.BLOCK_M, E)
     c = torch.full((T * k, No), float("nan"), dtype=dtype, device=DEVICE)
     a_mode, b_mode = _MODES[qc.name]
@@ -527,24 +527,25 @@ def test_moe_gemm_tail_blocks_match_oracle(dtype, qc):
         ref = moe_gemm_torch(xq[t:t + 1], wq[e], None if xs is None else xs[t:t + 1],
                              _weight_scale(ws, qc, e, No, K)) * topk_w.view(-1)[r]
         assert _rel(c[r], ref[0]) <= 2 * torch.finfo(dtype).eps, f"route {r} (expert {e})"
-    with pytest.raises(ValueError, match=r"tile.tail_m \(32\) must be 0 or a power of two in \[16, BLOCK_M = 32\)"):
-        moe_gemm(xq.to(DEVICE), wq.to(DEVICE), c.to(DEVICE), GemmTile(32, 32, 32, tail_m=32), sorted_ids_S=sorted_ids,
+    with pytest.raises(ValueError, match=r"tile.persistent \(3\) must be one of \(0, 1, 2\)"):
+        moe_gemm(xq.to(DEVICE), wq.to(DEVICE), c.to(DEVICE), GemmTile(16, 32, 32, persistent=3), sorted_ids_S=sorted_ids,
                  block_expert_Mb=block_expert, num_post_padded=npp, a_row_div=k, num_routes=T * k)
 
 
 @pytest.mark.parametrize("a_tma", [0, 1], ids=["a-ptr", "a-tma"])
-def test_moe_gemm_tail_blocks_in_the_sorted_chain_and_batched_format(a_tma):
-    # The fused first GEMM and the second GEMM on sorted rows (the tail tile reads A through pointers
-    # where the full tiles use the descriptor), then the batched format with the same counts.
-    k, E, K, N = 2, len(TAIL_COUNTS), 64, 40
+def test_moe_gemm_persistent_sorted_chain_and_batched_format(a_tma):
+    # Persistent launches of the fused first GEMM and of the second GEMM on sorted rows, routes not held
+    # here (id -1) among them; then the batched format, which ignores the flag.
+    k, E, K, N = 2, len(PERSISTENT_COUNTS), 64, 40
     g = _gen(63)
-    ids = _routes_with_counts(TAIL_COUNTS, k, g)
+    ids = _routes_with_counts(PERSISTENT_COUNTS, k, g)
+    ids[0, 0] = -1
     T = ids.shape[0]
     x = torch.randn(T, K, generator=g).to(torch.bfloat16)
     w1 = (torch.randn(E, 2 * N, K, generator=g) / K ** 0.5).to(torch.bfloat16)
     w2 = (torch.randn(E, K, N, generator=g) / N ** 0.5).to(torch.bfloat16)
     topk_w = torch.rand(T, k, generator=g)
-    tile = GemmTile(32, 32, 32, 1, 4, 2, 1, a_tma, tail_m=16)
+    tile = GemmTile(16, 32, 32, 2, 4, 2, 1, a_tma, persistent=2)
     sorted_ids, block_expert, num_pp = moe_align(ids.to(DEVICE), tile.BLOCK_M, E, None)
     align = dict(sorted_ids_S=sorted_ids, block_expert_Mb=block_expert, num_post_padded=num_pp, num_routes=T * k)
     inter = torch.full((sorted_ids.numel(), N), float("nan"), dtype=torch.bfloat16, device=DEVICE)
@@ -556,6 +557,9 @@ def test_moe_gemm_tail_blocks_in_the_sorted_chain_and_batched_format(a_tma):
     eps = torch.finfo(torch.bfloat16).eps
     for r in range(T * k):
         e = int(ids.view(-1)[r])
+        if e < 0:
+            assert y[r].isnan().all(), f"route {r} is not held here but was written"
+            continue
         p = int((sid[:npp] == r).nonzero())
         h = act_and_mul_torch(moe_gemm_torch(x[r // k: r // k + 1], w1[e]), Activation.SILU)
         assert _rel(inter[p: p + 1].cpu(), h) <= 2 * eps, f"route {r} (expert {e}) intermediate"
@@ -563,13 +567,13 @@ def test_moe_gemm_tail_blocks_in_the_sorted_chain_and_batched_format(a_tma):
         assert _rel(y[r: r + 1], ref) <= 2 * eps, f"route {r} (expert {e})"
     assert inter.cpu()[:npp][sid[:npp] == T * k].isnan().all(), "padding rows were written"
 
-    slots = max(TAIL_COUNTS)
-    counts = torch.tensor(TAIL_COUNTS, dtype=torch.int32)
+    slots = max(PERSISTENT_COUNTS)
+    counts = torch.tensor(PERSISTENT_COUNTS, dtype=torch.int32)
     a = torch.randn(E, slots, K, generator=g).to(torch.bfloat16)
     c = torch.full((E, slots, N), float("nan"), dtype=torch.bfloat16, device=DEVICE)
     moe_gemm(a.to(DEVICE), w2.transpose(1, 2).contiguous().to(DEVICE), c, tile, expert_num_tokens_El=counts.to(DEVICE))
     c = c.cpu()
-    for e, n in enumerate(TAIL_COUNTS):
+    for e, n in enumerate(PERSISTENT_COUNTS):
         if n:
             assert _rel(c[e, :n], moe_gemm_torch(a[e, :n], w2[e].t().contiguous())) <= 2 * eps, f"expert {e}"
         assert bool(c[e, n:].isnan().all()), f"expert {e} wrote slots past its count"

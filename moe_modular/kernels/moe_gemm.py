@@ -84,13 +84,13 @@ class GemmTile:
     a_tma: int = 0  # 1: A tiles too, where A's rows are contiguous per block (sorted A, batched format)
     act_q: int = 0  # 1 (fp8-block, standard format; read from the first GEMM's tile): the activation and its group
     # quantization in the epilogue
-    tail_m: int = 0  # > 0 (a power of two >= 16, < BLOCK_M): a block whose rows fit in its first tail_m runs a
-    # tail_m-row tile (an expert's last, partly filled block does less MMA work); per-route blocks ignore it
+    persistent: int = 0  # standard format: 1 launches a program per SM that walks the tiles, 2 also flattens that
+    # loop nest (the next tile's loads overlap this tile's epilogue); batched and per-route launches ignore it
 
 
 @triton.jit
 def _moe_gemm_kernel(
-    a_ptr, a_rows_ptr, b_ptr, c_ptr, a_scale_ptr, b_scale_ptr, topk_weights_ptr,
+    a_ptr, b_ptr, c_ptr, a_scale_ptr, b_scale_ptr, topk_weights_ptr,
     sorted_ids_ptr, block_expert_ptr, num_post_padded_ptr, expert_num_tokens_ptr, expert_map_ptr,
     num_routes, slots, N, K, topk, num_local_experts,
     stride_ae, stride_am, stride_ak,
@@ -108,68 +108,68 @@ def _moe_gemm_kernel(
     A_SORTED: tl.constexpr, C_SORTED: tl.constexpr, A_TMA: tl.constexpr,
     PER_ROUTE: tl.constexpr, HAS_MAP: tl.constexpr, OUT_GROUP: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    TAIL_M: tl.constexpr,
+    PERSISTENT: tl.constexpr,
 ):
-    # Tile order: GROUP_M row blocks share each column sweep (B tiles stay in L2).
-    pid = tl.program_id(0)
     num_pid_n = tl.cdiv(N, BLOCK_N)
-    per_group = GROUP_M * num_pid_n
-    first_m = (pid // per_group) * GROUP_M
-    group_rows = tl.minimum(num_pid_m - first_m, GROUP_M)
-    pid_m = first_m + ((pid % per_group) % group_rows)
-    pid_n = (pid % per_group) // group_rows
-
     count = 0
-    if BATCHED:
-        expert = tl.program_id(1)
-        count = tl.load(expert_num_tokens_ptr + expert)
-        if pid_m * BLOCK_M >= count:
-            return
-        tail = count - pid_m * BLOCK_M <= TAIL_M
+    if PERSISTENT > 0:  # standard format: each program walks the tiles of the filled blocks, a grid's width apart
+        num_blocks = tl.load(num_post_padded_ptr) // BLOCK_M
+        for tile in tl.range(tl.program_id(0), num_blocks * num_pid_n, tl.num_programs(0),
+                             flatten=PERSISTENT == 2):
+            pid_m, pid_n = _tile_order(tile, num_blocks, num_pid_n, GROUP_M)
+            expert = tl.load(block_expert_ptr + pid_m)  # >= 0 for every block before num_post_padded
+            _gemm_tile(
+                a_ptr, b_ptr, c_ptr, a_scale_ptr, b_scale_ptr, topk_weights_ptr, sorted_ids_ptr,
+                c_scale_ptr, pid_m, pid_n, expert, count, num_routes, N, K, topk,
+                stride_ae, stride_am, stride_ak, stride_be, stride_bn, stride_bk, stride_ce, stride_cm, stride_cn,
+                stride_ase, stride_asm, stride_ask, stride_bse, stride_bsn, stride_bsk, stride_wt, stride_wk,
+                stride_csm, stride_csn,
+                A_ROW_DIV, BATCHED, A_SCALE, B_SCALE, GROUP_N, GROUP_K, MUL_WEIGHT, EVEN_K, DOT_PRECISION,
+                FUSE_ACT, ACTIVATION, B_TMA, A_SORTED, C_SORTED, A_TMA, PER_ROUTE, OUT_GROUP,
+                BLOCK_M, BLOCK_N, BLOCK_K)
     else:
-        if PER_ROUTE:  # block pid_m is route pid_m alone; block_expert_ptr holds the (T * k) topk ids
-            expert, held = _local_expert_of_route(block_expert_ptr, expert_map_ptr, pid_m, num_routes,
-                                                  num_local_experts, HAS_MAP)
-            if not held:
+        pid_m, pid_n = _tile_order(tl.program_id(0), num_pid_m, num_pid_n, GROUP_M)
+        if BATCHED:
+            expert = tl.program_id(1)
+            count = tl.load(expert_num_tokens_ptr + expert)
+            if pid_m * BLOCK_M >= count:
                 return
-            tail = False
         else:
-            if pid_m * BLOCK_M >= tl.load(num_post_padded_ptr):
-                return
-            expert = tl.load(block_expert_ptr + pid_m)
-            if expert < 0:
-                return
-            # An expert's routes fill its blocks from the front: entry TAIL_M being padding means the
-            # block's routes all sit in its first TAIL_M entries.
-            tail = False
-            if TAIL_M > 0:
-                tail = tl.load(sorted_ids_ptr + pid_m * BLOCK_M + TAIL_M) >= num_routes
-
-    if TAIL_M > 0 and tail:  # an expert's last, partly filled block: a TAIL_M-row tile (A through pointers)
+            if PER_ROUTE:  # block pid_m is route pid_m alone; block_expert_ptr holds the (T * k) topk ids
+                expert, held = _local_expert_of_route(block_expert_ptr, expert_map_ptr, pid_m, num_routes,
+                                                      num_local_experts, HAS_MAP)
+                if not held:
+                    return
+            else:
+                if pid_m * BLOCK_M >= tl.load(num_post_padded_ptr):
+                    return
+                expert = tl.load(block_expert_ptr + pid_m)
+                if expert < 0:
+                    return
         _gemm_tile(
-            a_ptr, a_rows_ptr, b_ptr, c_ptr, a_scale_ptr, b_scale_ptr, topk_weights_ptr, sorted_ids_ptr,
-            c_scale_ptr, pid_m, pid_n, expert, count, num_routes, N, K, topk,
-            stride_ae, stride_am, stride_ak, stride_be, stride_bn, stride_bk, stride_ce, stride_cm, stride_cn,
-            stride_ase, stride_asm, stride_ask, stride_bse, stride_bsn, stride_bsk, stride_wt, stride_wk,
-            stride_csm, stride_csn,
-            A_ROW_DIV, BATCHED, A_SCALE, B_SCALE, GROUP_N, GROUP_K, MUL_WEIGHT, EVEN_K, DOT_PRECISION,
-            FUSE_ACT, ACTIVATION, B_TMA, A_SORTED, C_SORTED, False, PER_ROUTE, OUT_GROUP,
-            BLOCK_M, TAIL_M, BLOCK_N, BLOCK_K)
-    else:
-        _gemm_tile(
-            a_ptr, a_rows_ptr, b_ptr, c_ptr, a_scale_ptr, b_scale_ptr, topk_weights_ptr, sorted_ids_ptr,
+            a_ptr, b_ptr, c_ptr, a_scale_ptr, b_scale_ptr, topk_weights_ptr, sorted_ids_ptr,
             c_scale_ptr, pid_m, pid_n, expert, count, num_routes, N, K, topk,
             stride_ae, stride_am, stride_ak, stride_be, stride_bn, stride_bk, stride_ce, stride_cm, stride_cn,
             stride_ase, stride_asm, stride_ask, stride_bse, stride_bsn, stride_bsk, stride_wt, stride_wk,
             stride_csm, stride_csn,
             A_ROW_DIV, BATCHED, A_SCALE, B_SCALE, GROUP_N, GROUP_K, MUL_WEIGHT, EVEN_K, DOT_PRECISION,
             FUSE_ACT, ACTIVATION, B_TMA, A_SORTED, C_SORTED, A_TMA, PER_ROUTE, OUT_GROUP,
-            BLOCK_M, BLOCK_M, BLOCK_N, BLOCK_K)
+            BLOCK_M, BLOCK_N, BLOCK_K)
+
+
+@triton.jit
+def _tile_order(tile, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
+    """(row block, column block) of tile number `tile`: GROUP_M row blocks share each column sweep (their
+    B tiles stay in L2)."""
+    per_group = GROUP_M * num_pid_n
+    first_m = (tile // per_group) * GROUP_M
+    group_rows = tl.minimum(num_pid_m - first_m, GROUP_M)
+    return first_m + ((tile % per_group) % group_rows), (tile % per_group) // group_rows
 
 
 @triton.jit
 def _gemm_tile(
-    a_ptr, a_rows_ptr, b_ptr, c_ptr, a_scale_ptr, b_scale_ptr, topk_weights_ptr, sorted_ids_ptr,
+    a_ptr, b_ptr, c_ptr, a_scale_ptr, b_scale_ptr, topk_weights_ptr, sorted_ids_ptr,
     c_scale_ptr, pid_m, pid_n, expert, count, num_routes, N, K, topk,
     stride_ae, stride_am, stride_ak, stride_be, stride_bn, stride_bk, stride_ce, stride_cm, stride_cn,
     stride_ase, stride_asm, stride_ask, stride_bse, stride_bsn, stride_bsk, stride_wt, stride_wk,
@@ -178,12 +178,10 @@ def _gemm_tile(
     GROUP_N: tl.constexpr, GROUP_K: tl.constexpr, MUL_WEIGHT: tl.constexpr, EVEN_K: tl.constexpr,
     DOT_PRECISION: tl.constexpr, FUSE_ACT: tl.constexpr, ACTIVATION: tl.constexpr, B_TMA: tl.constexpr,
     A_SORTED: tl.constexpr, C_SORTED: tl.constexpr, A_TMA: tl.constexpr, PER_ROUTE: tl.constexpr,
-    OUT_GROUP: tl.constexpr, BLOCK_M: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
+    OUT_GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
-    """Rows [pid_m * BLOCK_M, + ROWS) of block pid_m (ROWS = BLOCK_M, or TAIL_M for a block whose
-    routes fit in its first TAIL_M entries) times columns pid_n of expert `expert`."""
-    offs_m = pid_m * BLOCK_M + tl.arange(0, ROWS)
+    """Row block pid_m times column block pid_n of expert `expert`'s weights, epilogue and store."""
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     if BATCHED:
         row_mask = offs_m < count
         a_row = offs_m.to(tl.int64)
@@ -192,7 +190,7 @@ def _gemm_tile(
         a_e = expert.to(tl.int64)
     else:
         if PER_ROUTE:
-            sid = tl.where(tl.arange(0, ROWS) == 0, pid_m, num_routes)
+            sid = tl.where(tl.arange(0, BLOCK_M) == 0, pid_m, num_routes)
         else:
             sid = tl.load(sorted_ids_ptr + offs_m)
         row_mask = sid < num_routes
@@ -213,7 +211,7 @@ def _gemm_tile(
     offs_bn = offs_n % N  # wrap instead of masking the B loads; the columns past N are not stored
     offs_k = tl.arange(0, BLOCK_K)
     if not A_TMA:
-        a_ptrs = a_rows_ptr + a_e * stride_ae + a_row[:, None] * stride_am + offs_k[None, :] * stride_ak
+        a_ptrs = a_ptr + a_e * stride_ae + a_row[:, None] * stride_am + offs_k[None, :] * stride_ak
     if not B_TMA:
         b_ptrs = b_ptr + e64 * stride_be + offs_bn[None, :].to(tl.int64) * stride_bn + offs_k[:, None] * stride_bk
     as_row = a_scale_ptr + a_e * stride_ase + a_row * stride_asm
@@ -221,14 +219,14 @@ def _gemm_tile(
     if FUSE_ACT:  # the up rows' weight scales (block scales of rows N + n)
         bs_col_up = b_scale_ptr + e64 * stride_bse + ((N + offs_bn) // GROUP_N) * stride_bsn
 
-    acc = tl.zeros((ROWS, BLOCK_N), dtype=tl.float32)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     if FUSE_ACT:  # B rows [N, 2N) are the up half: a second accumulator, act(gate) * up at the end
-        acc_up = tl.zeros((ROWS, BLOCK_N), dtype=tl.float32)
+        acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         up_off = N * stride_bn
     for kt in range(0, tl.cdiv(K, BLOCK_K)):
         if A_TMA:  # boxes of A's contiguous block rows; columns past Ko read 0, masked rows are not stored
             if BATCHED:
-                a = a_ptr.load([expert, pid_m * BLOCK_M, kt * BLOCK_K]).reshape(ROWS, BLOCK_K)
+                a = a_ptr.load([expert, pid_m * BLOCK_M, kt * BLOCK_K]).reshape(BLOCK_M, BLOCK_K)
             else:
                 a = a_ptr.load([pid_m * BLOCK_M, kt * BLOCK_K])
         elif EVEN_K:
@@ -282,9 +280,9 @@ def _gemm_tile(
         acc = gated_act(acc, acc_up, ACTIVATION)
     if OUT_GROUP > 0:  # fp8 with one scale per row and OUT_GROUP columns (BLOCK_N holds whole groups)
         NG: tl.constexpr = BLOCK_N // OUT_GROUP
-        h = tl.reshape(tl.where(n_mask[None, :], acc, 0.0), (ROWS, NG, OUT_GROUP))
+        h = tl.reshape(tl.where(n_mask[None, :], acc, 0.0), (BLOCK_M, NG, OUT_GROUP))
         g_scale = _scale_of(tl.max(tl.abs(h), axis=2))
-        acc = tl.reshape(_to_fp8(h, g_scale[:, :, None], c_ptr.dtype.element_ty), (ROWS, BLOCK_N))
+        acc = tl.reshape(_to_fp8(h, g_scale[:, :, None], c_ptr.dtype.element_ty), (BLOCK_M, BLOCK_N))
         offs_g = pid_n * NG + tl.arange(0, NG)
         tl.store(c_scale_ptr + out_row[:, None] * stride_csm + offs_g[None, :] * stride_csn, g_scale,
                  mask=row_mask[:, None] & (offs_g[None, :] * OUT_GROUP < N))
@@ -295,6 +293,19 @@ def _gemm_tile(
 
     c_ptrs = c_ptr + a_e * stride_ce + out_row[:, None] * stride_cm + offs_n[None, :] * stride_cn
     tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=row_mask[:, None] & n_mask[None, :])
+
+
+# GemmTile.persistent: 0 a program per tile, 1 a program per SM walking the tiles, 2 that with the loop nest flattened.
+PERSISTENT_MODES = (0, 1, 2)
+# Programs of a persistent launch in the interpreter (a few, so each walks several tiles).
+INTERPRETER_PROGRAMS = 3
+
+
+def resident_programs(device: torch.device) -> int:
+    """Programs of a persistent launch: one per SM on a GPU."""
+    if device.type != "cuda":
+        return INTERPRETER_PROGRAMS
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def _strides(t: Optional[torch.Tensor], n: int) -> tuple[int, ...]:
@@ -429,8 +440,8 @@ def moe_gemm(
                 raise ValueError(f"{flag} needs {flag[0]} with sorted_ids_S.numel() ({S}) rows, got {t.shape[0]}")
     if tile.BLOCK_M & (tile.BLOCK_M - 1) or tile.BLOCK_N & (tile.BLOCK_N - 1) or tile.BLOCK_K & (tile.BLOCK_K - 1):
         raise ValueError(f"tile {tile} must have power-of-two blocks")
-    if tile.tail_m and (tile.tail_m & (tile.tail_m - 1) or not 16 <= tile.tail_m < tile.BLOCK_M):
-        raise ValueError(f"tile.tail_m ({tile.tail_m}) must be 0 or a power of two in [16, BLOCK_M = {tile.BLOCK_M})")
+    if tile.persistent not in PERSISTENT_MODES:
+        raise ValueError(f"tile.persistent ({tile.persistent!r}) must be one of {PERSISTENT_MODES}")
     if batched:
         slots = a.shape[1]
         num_pid_m = cdiv(slots, tile.BLOCK_M)
@@ -445,6 +456,9 @@ def moe_gemm(
         sc_e, (sc_m, sc_n) = 0, c.stride()
     if grid[0] == 0:
         return c
+    persistent = tile.persistent if sorted_ids_S is not None else 0
+    if persistent:  # no more programs than tiles, nor than the device runs at once
+        grid = (min(grid[0], resident_programs(a.device)),)
     dummy = b_ENK
     bs = _strides(b_scale, 3)
     if b_scale_mode is BScale.TENSOR:
@@ -459,7 +473,7 @@ def moe_gemm(
     if tile.a_tma and (batched or a_sorted):
         a_arg = _descriptor(a, [1, tile.BLOCK_M, tile.BLOCK_K] if batched else [tile.BLOCK_M, tile.BLOCK_K])
     _moe_gemm_kernel[grid](
-        a_arg if a_arg is not None else a, a, b_arg if b_arg is not None else b_ENK, c,
+        a_arg if a_arg is not None else a, b_arg if b_arg is not None else b_ENK, c,
         a_scale if a_scale is not None else dummy,
         b_scale if b_scale is not None else dummy,
         topk_weights_Tk if topk_weights_Tk is not None else dummy,
@@ -485,7 +499,7 @@ def moe_gemm(
         B_TMA=b_arg is not None, A_SORTED=a_sorted, C_SORTED=c_sorted, A_TMA=a_arg is not None,
         PER_ROUTE=per_route, HAS_MAP=expert_map_E is not None, OUT_GROUP=c_group,
         BLOCK_M=tile.BLOCK_M, BLOCK_N=tile.BLOCK_N, BLOCK_K=tile.BLOCK_K, GROUP_M=tile.GROUP_M,
-        TAIL_M=0 if per_route else tile.tail_m,
+        PERSISTENT=persistent,
         num_warps=tile.num_warps, num_stages=tile.num_stages,
     )
     return c
