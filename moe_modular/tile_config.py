@@ -15,11 +15,8 @@ dtype, quant scheme name, device name) and maps token-count buckets M to one Til
            gemm2: {BLOCK_N: 64}}   # optional overrides for the second GEMM (not BLOCK_M)
       4096: {BLOCK_M: 128, BLOCK_N: 256, BLOCK_K: 64, GROUP_M: 8, num_warps: 8, num_stages: 3,
              b_tma: 1,             # optional: weight tiles through a tensor descriptor (TMA)
-             tail_m: 32,           # optional: an expert's last block, if it holds <= 32 routes, goes with
-                                   # the block before it (same weight tiles)
-             gemm2: {a_tma: 1,     # optional: activation tiles too, where their rows are contiguous
-                     tail_m: 0, persistent: 2}}  # optional: a program per SM walking the tiles (2: loop
-                                               # nest flattened; not with tail_m)
+             persistent: 2,        # optional: a program per SM walking the tiles (2: loop nest flattened)
+             gemm2: {a_tma: 1}}    # optional: activation tiles too, where their rows are contiguous
 
 For M between buckets the nearest bucket in log2(M) is used. Without a matching table,
 `default_tile_config` picks tiles from the average tokens per expert.
@@ -40,9 +37,9 @@ from moe_modular.quant import QuantConfig
 CONFIG_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs")
 CPU_DEVICE_NAME = "cpu"
 _TILE_FIELDS = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "num_warps", "num_stages", "b_tma", "a_tma", "act_q",
-                "tail_m", "persistent")
+                "persistent")
 _FLAG_FIELDS = ("b_tma", "a_tma", "act_q")  # 0 / 1, listed in tables only where 1
-_OFF_BY_DEFAULT = _FLAG_FIELDS + ("tail_m", "persistent")  # 0 = off; listed in tables only where set
+_OFF_BY_DEFAULT = _FLAG_FIELDS + ("persistent",)  # 0 = off; listed in tables only where set
 
 
 def device_name(device: torch.device) -> str:
@@ -90,10 +87,6 @@ class TileConfig:
                     raise ValueError(f"TileConfig.{name}.{f} ({getattr(tile, f)!r}) must be 0 or 1")
             if tile.persistent not in PERSISTENT_MODES:
                 raise ValueError(f"TileConfig.{name}.persistent ({tile.persistent!r}) must be one of {PERSISTENT_MODES}")
-            t = tile.tail_m
-            if not isinstance(t, int) or (t and (t & (t - 1) or not 16 <= t < tile.BLOCK_M or tile.persistent)):
-                raise ValueError(f"TileConfig.{name}.tail_m ({t!r}) must be 0, or a power of two in "
-                                 f"[16, BLOCK_M = {tile.BLOCK_M}) with persistent 0")
 
     @property
     def block_m(self) -> int:

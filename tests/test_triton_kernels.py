@@ -411,28 +411,20 @@ def test_moe_gemm_fused_activation_matches_oracle(activation, b_tma):
                  fuse_activation=activation)
 
 
-@pytest.mark.parametrize("tail_m", [0, 16], ids=["tiles", "tail16"])
-def test_moe_gemm_fused_activation_with_fp8_groups_matches_oracle(tail_m):
+def test_moe_gemm_fused_activation_with_fp8_groups_matches_oracle():
     # fp8-block first GEMM (1 x 32 activation groups, 32 x 32 weight blocks) with act(gate) * up and the
     # 1 x 32 group quantization of the intermediate in its epilogue: c fp8 (R, N) plus its group scales.
     # N = 48: the second group of each 64-column tile is partial. Unheld routes (id -1): not written.
-    # tail16: SCHEDULE_COUNTS routing, small last blocks computed with the block before them.
-    k, K, N, G = 2, 96, 48, 32
+    T, k, El, K, N, G = 5, 2, 3, 96, 48, 32
     qc = QuantConfig.fp8_block((G, G))
     g = _gen(41)
-    if tail_m:
-        El = len(SCHEDULE_COUNTS)
-        ids = _routes_with_counts(SCHEDULE_COUNTS, k, g)
-        T = ids.shape[0]
-    else:
-        T, El = 5, 3
-        ids = torch.randint(0, El, (T, k), generator=g, dtype=torch.int32)
-    ids[1, 0] = -1
     x = torch.randn(T, K, generator=g).to(torch.bfloat16)
     w = torch.randn(El, 2 * N, K, generator=g) / K ** 0.5
     xq, xs = quantize_activations(x, qc)
     wq, ws = quantize_weights(w, qc)
-    tile = GemmTile(32, 64, 32, 1, 4, 2, tail_m=16) if tail_m else GemmTile(16, 64, 32, 1, 4, 2)
+    ids = torch.randint(0, El, (T, k), generator=g, dtype=torch.int32)
+    ids[1, 0] = -1
+    tile = GemmTile(16, 64, 32, 1, 4, 2)
     sorted_ids, block_expert, num_pp = moe_align(ids.to(DEVICE), tile.BLOCK_M, El, None)
     c = torch.full((T * k, N), float("nan"), device=DEVICE).to(FP8_DTYPE)
     cs = torch.full((T * k, 2), float("nan"), device=DEVICE)
@@ -499,13 +491,9 @@ def test_moe_gemm_sorted_intermediate_chain_matches_oracle(a_tma):
         moe_gemm(inter[: T * k], w2.to(DEVICE), y.to(DEVICE), tile, a_sorted=True, **align)
 
 
-# Routes per expert for the schedule tests (BLOCK_M 32): a full block and 9 more (with tail_m 16, that
-# last block goes with the full one), one block of 20 (more than tail_m: its own), a full block and 16
-# more (exactly tail_m: absorbed), one block of 10 (small but its expert's first: its own), none, one.
-SCHEDULE_COUNTS = [41, 20, 48, 10, 0, 1]
-# How the standard format's tiles are scheduled: a program per SM walking them (plain or flattened
-# loop nest), or an expert's small last block computed with the block before it.
-SCHEDULES = {"persistent": dict(persistent=1), "persistent-flat": dict(persistent=2), "tail16": dict(tail_m=16)}
+# Routes per expert for the persistent tests (BLOCK_M 16): two full blocks and a partial one, one partial
+# block, exactly one full block, none.
+PERSISTENT_COUNTS = [41, 9, 16, 0]
 
 
 def _routes_with_counts(counts, k, g):
@@ -514,17 +502,18 @@ def _routes_with_counts(counts, k, g):
     return ids[torch.randperm(ids.numel(), generator=g)].view(-1, k)
 
 
-@pytest.mark.parametrize("schedule", list(SCHEDULES))
+@pytest.mark.parametrize("persistent", [1, 2])
 @pytest.mark.parametrize("dtype,qc", [GEMM_SCHEMES[0], GEMM_SCHEMES[3]], ids=lambda v: getattr(v, "name", str(v)))
-def test_moe_gemm_schedules_match_oracle(dtype, qc, schedule):
-    # Every schedule computes the oracle's result for every route.
-    k, E, K, No = 2, len(SCHEDULE_COUNTS), 64, 48
-    g = _gen(61)
-    ids = _routes_with_counts(SCHEDULE_COUNTS, k, g)
+def test_moe_gemm_persistent_matches_oracle(dtype, qc, persistent):
+    # A program per SM (a few in the interpreter) walking the tiles of the filled blocks: the oracle's
+    # result for every route.
+    k, E, K, No = 2, len(PERSISTENT_COUNTS), 64, 48
+    g = _gen(61 + persistent)
+    ids = _routes_with_counts(PERSISTENT_COUNTS, k, g)
     T = ids.shape[0]
     xq, xs, wq, ws = _gemm_inputs(T, K, E, No, dtype, qc, seed=62)
     topk_w = torch.rand(T, k, generator=g)
-    tile = GemmTile(32, 32, 32, 2, 4, 2, **SCHEDULES[schedule])
+    tile = GemmTile(16, 32, 32, 2, 4, 2, persistent=persistent)
     sorted_ids, block_expert, npp = moe_align(ids.to(DEVICE), tile.BLOCK_M, E)
     c = torch.full((T * k, No), float("nan"), dtype=dtype, device=DEVICE)
     a_mode, b_mode = _MODES[qc.name]
@@ -538,38 +527,25 @@ def test_moe_gemm_schedules_match_oracle(dtype, qc, schedule):
         ref = moe_gemm_torch(xq[t:t + 1], wq[e], None if xs is None else xs[t:t + 1],
                              _weight_scale(ws, qc, e, No, K)) * topk_w.view(-1)[r]
         assert _rel(c[r], ref[0]) <= 2 * torch.finfo(dtype).eps, f"route {r} (expert {e})"
+    with pytest.raises(ValueError, match=r"tile.persistent \(3\) must be one of \(0, 1, 2\)"):
+        moe_gemm(xq.to(DEVICE), wq.to(DEVICE), c.to(DEVICE), GemmTile(16, 32, 32, persistent=3), sorted_ids_S=sorted_ids,
+                 block_expert_Mb=block_expert, num_post_padded=npp, a_row_div=k, num_routes=T * k)
 
 
-@pytest.mark.parametrize("tile,message", [
-    (GemmTile(16, 32, 32, persistent=3), r"tile.persistent \(3\) must be one of \(0, 1, 2\)"),
-    (GemmTile(32, 32, 32, tail_m=32), r"tile.tail_m \(32\) must be 0, or a power of two in \[16, BLOCK_M = 32\)"),
-    (GemmTile(64, 32, 32, tail_m=16, persistent=1), r"tile.tail_m \(16\) .* with persistent 0 \(got 1\)"),
-])
-def test_moe_gemm_rejects_bad_schedules(tile, message):
-    ids = torch.zeros(2, 1, dtype=torch.int32, device=DEVICE)
-    sorted_ids, block_expert, npp = moe_align(ids, tile.BLOCK_M, 1)
-    x, w = torch.zeros(2, 32, device=DEVICE), torch.zeros(1, 32, 32, device=DEVICE)
-    with pytest.raises(ValueError, match=message):
-        moe_gemm(x, w, torch.empty(2, 32, device=DEVICE), tile, sorted_ids_S=sorted_ids, block_expert_Mb=block_expert,
-                 num_post_padded=npp, a_row_div=1, num_routes=2)
-
-
-@pytest.mark.parametrize("schedule", ["persistent-flat", "tail16"])
 @pytest.mark.parametrize("a_tma", [0, 1], ids=["a-ptr", "a-tma"])
-def test_moe_gemm_schedules_in_the_sorted_chain_and_batched_format(a_tma, schedule):
-    # The fused first GEMM and the second GEMM on sorted rows under each schedule (a tail block's A rows
-    # come through pointers where the block before it uses the descriptor), routes not held here (id -1)
-    # among them; then the batched format, which ignores the schedule fields.
-    k, E, K, N = 2, len(SCHEDULE_COUNTS), 64, 40
+def test_moe_gemm_persistent_sorted_chain_and_batched_format(a_tma):
+    # Persistent launches of the fused first GEMM and of the second GEMM on sorted rows, routes not held
+    # here (id -1) among them; then the batched format, which ignores the flag.
+    k, E, K, N = 2, len(PERSISTENT_COUNTS), 64, 40
     g = _gen(63)
-    ids = _routes_with_counts(SCHEDULE_COUNTS, k, g)
+    ids = _routes_with_counts(PERSISTENT_COUNTS, k, g)
     ids[0, 0] = -1
     T = ids.shape[0]
     x = torch.randn(T, K, generator=g).to(torch.bfloat16)
     w1 = (torch.randn(E, 2 * N, K, generator=g) / K ** 0.5).to(torch.bfloat16)
     w2 = (torch.randn(E, K, N, generator=g) / N ** 0.5).to(torch.bfloat16)
     topk_w = torch.rand(T, k, generator=g)
-    tile = GemmTile(32, 32, 32, 2, 4, 2, 1, a_tma, **SCHEDULES[schedule])
+    tile = GemmTile(16, 32, 32, 2, 4, 2, 1, a_tma, persistent=2)
     sorted_ids, block_expert, num_pp = moe_align(ids.to(DEVICE), tile.BLOCK_M, E, None)
     align = dict(sorted_ids_S=sorted_ids, block_expert_Mb=block_expert, num_post_padded=num_pp, num_routes=T * k)
     inter = torch.full((sorted_ids.numel(), N), float("nan"), dtype=torch.bfloat16, device=DEVICE)
@@ -591,13 +567,13 @@ def test_moe_gemm_schedules_in_the_sorted_chain_and_batched_format(a_tma, schedu
         assert _rel(y[r: r + 1], ref) <= 2 * eps, f"route {r} (expert {e})"
     assert inter.cpu()[:npp][sid[:npp] == T * k].isnan().all(), "padding rows were written"
 
-    slots = max(SCHEDULE_COUNTS)
-    counts = torch.tensor(SCHEDULE_COUNTS, dtype=torch.int32)
+    slots = max(PERSISTENT_COUNTS)
+    counts = torch.tensor(PERSISTENT_COUNTS, dtype=torch.int32)
     a = torch.randn(E, slots, K, generator=g).to(torch.bfloat16)
     c = torch.full((E, slots, N), float("nan"), dtype=torch.bfloat16, device=DEVICE)
     moe_gemm(a.to(DEVICE), w2.transpose(1, 2).contiguous().to(DEVICE), c, tile, expert_num_tokens_El=counts.to(DEVICE))
     c = c.cpu()
-    for e, n in enumerate(SCHEDULE_COUNTS):
+    for e, n in enumerate(PERSISTENT_COUNTS):
         if n:
             assert _rel(c[e, :n], moe_gemm_torch(a[e, :n], w2[e].t().contiguous())) <= 2 * eps, f"expert {e}"
         assert bool(c[e, n:].isnan().all()), f"expert {e} wrote slots past its count"

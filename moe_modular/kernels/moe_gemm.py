@@ -84,15 +84,13 @@ class GemmTile:
     a_tma: int = 0  # 1: A tiles too, where A's rows are contiguous per block (sorted A, batched format)
     act_q: int = 0  # 1 (fp8-block, standard format; read from the first GEMM's tile): the activation and its group
     # quantization in the epilogue
-    tail_m: int = 0  # > 0 (standard format, power of two in [16, BLOCK_M)): an expert's last block holding at most
-    # tail_m routes is computed by the program of the block before it, on the same weight tiles
     persistent: int = 0  # standard format: 1 launches a program per SM that walks the tiles, 2 also flattens that
     # loop nest (the next tile's loads overlap this tile's epilogue); batched and per-route launches ignore it
 
 
 @triton.jit
 def _moe_gemm_kernel(
-    a_ptr, a_rows_ptr, b_ptr, c_ptr, a_scale_ptr, b_scale_ptr, topk_weights_ptr,
+    a_ptr, b_ptr, c_ptr, a_scale_ptr, b_scale_ptr, topk_weights_ptr,
     sorted_ids_ptr, block_expert_ptr, num_post_padded_ptr, expert_num_tokens_ptr, expert_map_ptr,
     num_routes, slots, N, K, topk, num_local_experts,
     stride_ae, stride_am, stride_ak,
@@ -110,7 +108,7 @@ def _moe_gemm_kernel(
     A_SORTED: tl.constexpr, C_SORTED: tl.constexpr, A_TMA: tl.constexpr,
     PER_ROUTE: tl.constexpr, HAS_MAP: tl.constexpr, OUT_GROUP: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    PERSISTENT: tl.constexpr, TAIL_M: tl.constexpr,
+    PERSISTENT: tl.constexpr,
 ):
     num_pid_n = tl.cdiv(N, BLOCK_N)
     count = 0
@@ -121,17 +119,16 @@ def _moe_gemm_kernel(
             pid_m, pid_n = _tile_order(tile, num_blocks, num_pid_n, GROUP_M)
             expert = tl.load(block_expert_ptr + pid_m)  # >= 0 for every block before num_post_padded
             _gemm_tile(
-                a_ptr, a_rows_ptr, b_ptr, c_ptr, a_scale_ptr, b_scale_ptr, topk_weights_ptr, sorted_ids_ptr,
+                a_ptr, b_ptr, c_ptr, a_scale_ptr, b_scale_ptr, topk_weights_ptr, sorted_ids_ptr,
                 c_scale_ptr, pid_m, pid_n, expert, count, num_routes, N, K, topk,
                 stride_ae, stride_am, stride_ak, stride_be, stride_bn, stride_bk, stride_ce, stride_cm, stride_cn,
                 stride_ase, stride_asm, stride_ask, stride_bse, stride_bsn, stride_bsk, stride_wt, stride_wk,
                 stride_csm, stride_csn,
                 A_ROW_DIV, BATCHED, A_SCALE, B_SCALE, GROUP_N, GROUP_K, MUL_WEIGHT, EVEN_K, DOT_PRECISION,
                 FUSE_ACT, ACTIVATION, B_TMA, A_SORTED, C_SORTED, A_TMA, PER_ROUTE, OUT_GROUP,
-                BLOCK_M, BLOCK_N, BLOCK_K, 0)
+                BLOCK_M, BLOCK_N, BLOCK_K)
     else:
         pid_m, pid_n = _tile_order(tl.program_id(0), num_pid_m, num_pid_n, GROUP_M)
-        has_tail = False
         if BATCHED:
             expert = tl.program_id(1)
             count = tl.load(expert_num_tokens_ptr + expert)
@@ -144,49 +141,20 @@ def _moe_gemm_kernel(
                 if not held:
                     return
             else:
-                filled = tl.load(num_post_padded_ptr)
-                if pid_m * BLOCK_M >= filled:
+                if pid_m * BLOCK_M >= tl.load(num_post_padded_ptr):
                     return
                 expert = tl.load(block_expert_ptr + pid_m)
                 if expert < 0:
                     return
-                if TAIL_M > 0:  # an expert's last block with at most TAIL_M routes goes with the block before it
-                    if _absorbed(block_expert_ptr, sorted_ids_ptr, pid_m, expert, num_routes, filled, BLOCK_M, TAIL_M):
-                        return
-                    has_tail = _absorbed(block_expert_ptr, sorted_ids_ptr, pid_m + 1, expert, num_routes, filled,
-                                         BLOCK_M, TAIL_M)
-        if TAIL_M > 0 and has_tail:
-            _gemm_tile(
-                a_ptr, a_rows_ptr, b_ptr, c_ptr, a_scale_ptr, b_scale_ptr, topk_weights_ptr, sorted_ids_ptr,
-                c_scale_ptr, pid_m, pid_n, expert, count, num_routes, N, K, topk,
-                stride_ae, stride_am, stride_ak, stride_be, stride_bn, stride_bk, stride_ce, stride_cm, stride_cn,
-                stride_ase, stride_asm, stride_ask, stride_bse, stride_bsn, stride_bsk, stride_wt, stride_wk,
-                stride_csm, stride_csn,
-                A_ROW_DIV, BATCHED, A_SCALE, B_SCALE, GROUP_N, GROUP_K, MUL_WEIGHT, EVEN_K, DOT_PRECISION,
-                FUSE_ACT, ACTIVATION, B_TMA, A_SORTED, C_SORTED, A_TMA, PER_ROUTE, OUT_GROUP,
-                BLOCK_M, BLOCK_N, BLOCK_K, TAIL_M)
-        else:
-            _gemm_tile(
-                a_ptr, a_rows_ptr, b_ptr, c_ptr, a_scale_ptr, b_scale_ptr, topk_weights_ptr, sorted_ids_ptr,
-                c_scale_ptr, pid_m, pid_n, expert, count, num_routes, N, K, topk,
-                stride_ae, stride_am, stride_ak, stride_be, stride_bn, stride_bk, stride_ce, stride_cm, stride_cn,
-                stride_ase, stride_asm, stride_ask, stride_bse, stride_bsn, stride_bsk, stride_wt, stride_wk,
-                stride_csm, stride_csn,
-                A_ROW_DIV, BATCHED, A_SCALE, B_SCALE, GROUP_N, GROUP_K, MUL_WEIGHT, EVEN_K, DOT_PRECISION,
-                FUSE_ACT, ACTIVATION, B_TMA, A_SORTED, C_SORTED, A_TMA, PER_ROUTE, OUT_GROUP,
-                BLOCK_M, BLOCK_N, BLOCK_K, 0)
-
-
-@triton.jit
-def _absorbed(block_expert_ptr, sorted_ids_ptr, blk, expert, num_routes, filled, BLOCK_M: tl.constexpr,
-              TAIL_M: tl.constexpr):
-    """Whether block blk is computed with block blk - 1: blk is filled (before `filled` entries), both are
-    `expert`'s and blk holds at most TAIL_M routes (an expert's routes fill its blocks from the front, so
-    its entry TAIL_M is then padding)."""
-    valid = (blk > 0) & (blk * BLOCK_M < filled)
-    prev = tl.load(block_expert_ptr + blk - 1, mask=valid, other=-1)
-    first_pad = tl.load(sorted_ids_ptr + blk * BLOCK_M + TAIL_M, mask=valid, other=num_routes)
-    return valid & (prev == expert) & (first_pad >= num_routes)
+        _gemm_tile(
+            a_ptr, b_ptr, c_ptr, a_scale_ptr, b_scale_ptr, topk_weights_ptr, sorted_ids_ptr,
+            c_scale_ptr, pid_m, pid_n, expert, count, num_routes, N, K, topk,
+            stride_ae, stride_am, stride_ak, stride_be, stride_bn, stride_bk, stride_ce, stride_cm, stride_cn,
+            stride_ase, stride_asm, stride_ask, stride_bse, stride_bsn, stride_bsk, stride_wt, stride_wk,
+            stride_csm, stride_csn,
+            A_ROW_DIV, BATCHED, A_SCALE, B_SCALE, GROUP_N, GROUP_K, MUL_WEIGHT, EVEN_K, DOT_PRECISION,
+            FUSE_ACT, ACTIVATION, B_TMA, A_SORTED, C_SORTED, A_TMA, PER_ROUTE, OUT_GROUP,
+            BLOCK_M, BLOCK_N, BLOCK_K)
 
 
 @triton.jit
@@ -201,7 +169,7 @@ def _tile_order(tile, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
 
 @triton.jit
 def _gemm_tile(
-    a_ptr, a_rows_ptr, b_ptr, c_ptr, a_scale_ptr, b_scale_ptr, topk_weights_ptr, sorted_ids_ptr,
+    a_ptr, b_ptr, c_ptr, a_scale_ptr, b_scale_ptr, topk_weights_ptr, sorted_ids_ptr,
     c_scale_ptr, pid_m, pid_n, expert, count, num_routes, N, K, topk,
     stride_ae, stride_am, stride_ak, stride_be, stride_bn, stride_bk, stride_ce, stride_cm, stride_cn,
     stride_ase, stride_asm, stride_ask, stride_bse, stride_bsn, stride_bsk, stride_wt, stride_wk,
@@ -211,11 +179,8 @@ def _gemm_tile(
     DOT_PRECISION: tl.constexpr, FUSE_ACT: tl.constexpr, ACTIVATION: tl.constexpr, B_TMA: tl.constexpr,
     A_SORTED: tl.constexpr, C_SORTED: tl.constexpr, A_TMA: tl.constexpr, PER_ROUTE: tl.constexpr,
     OUT_GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    TAIL: tl.constexpr,
 ):
-    """Row block pid_m times column block pid_n of expert `expert`'s weights, epilogue and store. TAIL > 0
-    (standard format): also the first TAIL entries of block pid_m + 1 (the same expert's last block), on
-    the same weight tiles."""
+    """Row block pid_m times column block pid_n of expert `expert`'s weights, epilogue and store."""
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     if BATCHED:
         row_mask = offs_m < count
@@ -228,7 +193,16 @@ def _gemm_tile(
             sid = tl.where(tl.arange(0, BLOCK_M) == 0, pid_m, num_routes)
         else:
             sid = tl.load(sorted_ids_ptr + offs_m)
-        row_mask, a_row, c_row, out_row = _sorted_rows(sid, offs_m, num_routes, A_ROW_DIV, A_SORTED, C_SORTED)
+        row_mask = sid < num_routes
+        if A_SORTED:
+            a_row = offs_m.to(tl.int64)
+        else:
+            a_row = (sid // A_ROW_DIV).to(tl.int64)
+        c_row = sid.to(tl.int64)  # the route: its top-k weight
+        if C_SORTED:
+            out_row = offs_m.to(tl.int64)
+        else:
+            out_row = c_row
         a_e = 0
     e64 = expert.to(tl.int64)
 
@@ -242,119 +216,56 @@ def _gemm_tile(
         b_ptrs = b_ptr + e64 * stride_be + offs_bn[None, :].to(tl.int64) * stride_bn + offs_k[:, None] * stride_bk
     as_row = a_scale_ptr + a_e * stride_ase + a_row * stride_asm
     bs_col = b_scale_ptr + e64 * stride_bse + (offs_bn // GROUP_N) * stride_bsn
-    bs_col_up = bs_col
     if FUSE_ACT:  # the up rows' weight scales (block scales of rows N + n)
         bs_col_up = b_scale_ptr + e64 * stride_bse + ((N + offs_bn) // GROUP_N) * stride_bsn
-    up_off = N * stride_bn
 
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    acc_up = acc  # FUSE_ACT: B rows [N, 2N) are the up half, a second accumulator; act(gate) * up at the end
-    if TAIL > 0:  # the tail block's rows: their own accumulators, A through pointers
-        offs_t = (pid_m + 1) * BLOCK_M + tl.arange(0, TAIL)
-        row_mask_t, a_row_t, c_row_t, out_row_t = _sorted_rows(tl.load(sorted_ids_ptr + offs_t), offs_t, num_routes,
-                                                               A_ROW_DIV, A_SORTED, C_SORTED)
-        a_ptrs_t = a_rows_ptr + a_row_t[:, None] * stride_am + offs_k[None, :] * stride_ak
-        as_row_t = a_scale_ptr + a_row_t * stride_asm
-        acc_t = tl.zeros((TAIL, BLOCK_N), dtype=tl.float32)
-        acc_up_t = acc_t
+    if FUSE_ACT:  # B rows [N, 2N) are the up half: a second accumulator, act(gate) * up at the end
+        acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        up_off = N * stride_bn
     for kt in range(0, tl.cdiv(K, BLOCK_K)):
         if A_TMA:  # boxes of A's contiguous block rows; columns past Ko read 0, masked rows are not stored
             if BATCHED:
                 a = a_ptr.load([expert, pid_m * BLOCK_M, kt * BLOCK_K]).reshape(BLOCK_M, BLOCK_K)
             else:
                 a = a_ptr.load([pid_m * BLOCK_M, kt * BLOCK_K])
+        elif EVEN_K:
+            a = tl.load(a_ptrs, mask=row_mask[:, None], other=0.0)
         else:
-            a = _load_rows(a_ptrs, row_mask, offs_k, K - kt * BLOCK_K, EVEN_K)
+            a = tl.load(a_ptrs, mask=row_mask[:, None] & (offs_k[None, :] < K - kt * BLOCK_K), other=0.0)
         if B_TMA:  # (1, BLOCK_N, BLOCK_K) boxes of b (El, No, Ko): rows past No and columns past Ko read 0
             b = b_ptr.load([expert, pid_n * BLOCK_N, kt * BLOCK_K]).reshape(BLOCK_N, BLOCK_K).T
-            b_up = b
             if FUSE_ACT:
                 b_up = b_ptr.load([expert, N + pid_n * BLOCK_N, kt * BLOCK_K]).reshape(BLOCK_N, BLOCK_K).T
         elif EVEN_K:
             b = tl.load(b_ptrs)
-            b_up = b
             if FUSE_ACT:
                 b_up = tl.load(b_ptrs + up_off)
         else:
             k_left = K - kt * BLOCK_K
             b = tl.load(b_ptrs, mask=offs_k[:, None] < k_left, other=0.0)
-            b_up = b
             if FUSE_ACT:
                 b_up = tl.load(b_ptrs + up_off, mask=offs_k[:, None] < k_left, other=0.0)
-        kg = (kt * BLOCK_K) // GROUP_K
-        acc, acc_up = _mma(a, b, b_up, acc, acc_up, as_row, row_mask, bs_col, bs_col_up, kg, stride_ask, stride_bsk,
-                           A_SCALE, FUSE_ACT, DOT_PRECISION)
-        if TAIL > 0:
-            a_t = _load_rows(a_ptrs_t, row_mask_t, offs_k, K - kt * BLOCK_K, EVEN_K)
-            acc_t, acc_up_t = _mma(a_t, b, b_up, acc_t, acc_up_t, as_row_t, row_mask_t, bs_col, bs_col_up, kg,
-                                   stride_ask, stride_bsk, A_SCALE, FUSE_ACT, DOT_PRECISION)
-            a_ptrs_t += BLOCK_K * stride_ak
+        if A_SCALE == A_GROUP:
+            kg = (kt * BLOCK_K) // GROUP_K
+            a_s = tl.load(as_row + kg * stride_ask, mask=row_mask, other=0.0)
+            b_s = tl.load(bs_col + kg * stride_bsk)
+            acc += tl.dot(a, b) * (a_s[:, None] * b_s[None, :])
+            if FUSE_ACT:
+                b_s_up = tl.load(bs_col_up + kg * stride_bsk)
+                acc_up += tl.dot(a, b_up) * (a_s[:, None] * b_s_up[None, :])
+        else:
+            # fp8 on Hopper: 64-row and larger tiles use wgmma, whose fp8 accumulation is reduced-precision
+            # across the K loop (Triton's default there, as in vLLM's kernels); promoting the sum every
+            # 32 products (max_num_imprecise_acc) cost 1.1-3x in time (docs/benchmarks.md, fp8 accumulation).
+            if FUSE_ACT:
+                acc_up = tl.dot(a, b_up, acc_up, input_precision=DOT_PRECISION)
+            acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
         if not A_TMA:
             a_ptrs += BLOCK_K * stride_ak
         if not B_TMA:
             b_ptrs += BLOCK_K * stride_bk
 
-    _epilogue(acc, acc_up, row_mask, as_row, c_row, out_row, a_e, e64, pid_n, offs_n, n_mask, offs_bn,
-              c_ptr, a_scale_ptr, b_scale_ptr, topk_weights_ptr, c_scale_ptr, N, topk,
-              stride_ce, stride_cm, stride_cn, stride_bse, stride_bsn, stride_wt, stride_wk, stride_csm, stride_csn,
-              A_SCALE, B_SCALE, MUL_WEIGHT, FUSE_ACT, ACTIVATION, OUT_GROUP, BLOCK_M, BLOCK_N)
-    if TAIL > 0:
-        _epilogue(acc_t, acc_up_t, row_mask_t, as_row_t, c_row_t, out_row_t, a_e, e64, pid_n, offs_n, n_mask, offs_bn,
-                  c_ptr, a_scale_ptr, b_scale_ptr, topk_weights_ptr, c_scale_ptr, N, topk,
-                  stride_ce, stride_cm, stride_cn, stride_bse, stride_bsn, stride_wt, stride_wk, stride_csm,
-                  stride_csn, A_SCALE, B_SCALE, MUL_WEIGHT, FUSE_ACT, ACTIVATION, OUT_GROUP, TAIL, BLOCK_N)
-
-
-@triton.jit
-def _sorted_rows(sid, offs, num_routes, A_ROW_DIV: tl.constexpr, A_SORTED: tl.constexpr, C_SORTED: tl.constexpr):
-    """Standard format: (row mask, A row, route, C row) of sorted positions `offs` holding route ids `sid`."""
-    row_mask = sid < num_routes
-    if A_SORTED:
-        a_row = offs.to(tl.int64)
-    else:
-        a_row = (sid // A_ROW_DIV).to(tl.int64)
-    c_row = sid.to(tl.int64)  # the route: its top-k weight
-    if C_SORTED:
-        out_row = offs.to(tl.int64)
-    else:
-        out_row = c_row
-    return row_mask, a_row, c_row, out_row
-
-
-@triton.jit
-def _load_rows(a_ptrs, row_mask, offs_k, k_left, EVEN_K: tl.constexpr):
-    """One K tile of A rows through pointers: masked rows and columns past Ko read 0."""
-    if EVEN_K:
-        return tl.load(a_ptrs, mask=row_mask[:, None], other=0.0)
-    return tl.load(a_ptrs, mask=row_mask[:, None] & (offs_k[None, :] < k_left), other=0.0)
-
-
-@triton.jit
-def _mma(a, b, b_up, acc, acc_up, as_row, row_mask, bs_col, bs_col_up, kg, stride_ask, stride_bsk,
-         A_SCALE: tl.constexpr, FUSE_ACT: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    """acc (and acc_up with FUSE_ACT) += one K tile's products; group scales applied per tile."""
-    if A_SCALE == A_GROUP:
-        a_s = tl.load(as_row + kg * stride_ask, mask=row_mask, other=0.0)
-        acc += tl.dot(a, b) * (a_s[:, None] * tl.load(bs_col + kg * stride_bsk)[None, :])
-        if FUSE_ACT:
-            acc_up += tl.dot(a, b_up) * (a_s[:, None] * tl.load(bs_col_up + kg * stride_bsk)[None, :])
-    else:
-        # fp8 on Hopper: 64-row and larger tiles use wgmma, whose fp8 accumulation is reduced-precision
-        # across the K loop (Triton's default there, as in vLLM's kernels); promoting the sum every
-        # 32 products (max_num_imprecise_acc) cost 1.1-3x in time (docs/benchmarks.md, fp8 accumulation).
-        if FUSE_ACT:
-            acc_up = tl.dot(a, b_up, acc_up, input_precision=DOT_PRECISION)
-        acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
-    return acc, acc_up
-
-
-@triton.jit
-def _epilogue(acc, acc_up, row_mask, as_row, c_row, out_row, a_e, e64, pid_n, offs_n, n_mask, offs_bn,
-              c_ptr, a_scale_ptr, b_scale_ptr, topk_weights_ptr, c_scale_ptr, N, topk,
-              stride_ce, stride_cm, stride_cn, stride_bse, stride_bsn, stride_wt, stride_wk, stride_csm, stride_csn,
-              A_SCALE: tl.constexpr, B_SCALE: tl.constexpr, MUL_WEIGHT: tl.constexpr, FUSE_ACT: tl.constexpr,
-              ACTIVATION: tl.constexpr, OUT_GROUP: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Scales, activation, fp8 group quantization and top-k weight of ROWS accumulated rows; store."""
     if A_SCALE == A_TENSOR:
         acc = acc * tl.load(a_scale_ptr)
     elif A_SCALE == A_EXPERT:
@@ -369,9 +280,9 @@ def _epilogue(acc, acc_up, row_mask, as_row, c_row, out_row, a_e, e64, pid_n, of
         acc = gated_act(acc, acc_up, ACTIVATION)
     if OUT_GROUP > 0:  # fp8 with one scale per row and OUT_GROUP columns (BLOCK_N holds whole groups)
         NG: tl.constexpr = BLOCK_N // OUT_GROUP
-        h = tl.reshape(tl.where(n_mask[None, :], acc, 0.0), (ROWS, NG, OUT_GROUP))
+        h = tl.reshape(tl.where(n_mask[None, :], acc, 0.0), (BLOCK_M, NG, OUT_GROUP))
         g_scale = _scale_of(tl.max(tl.abs(h), axis=2))
-        acc = tl.reshape(_to_fp8(h, g_scale[:, :, None], c_ptr.dtype.element_ty), (ROWS, BLOCK_N))
+        acc = tl.reshape(_to_fp8(h, g_scale[:, :, None], c_ptr.dtype.element_ty), (BLOCK_M, BLOCK_N))
         offs_g = pid_n * NG + tl.arange(0, NG)
         tl.store(c_scale_ptr + out_row[:, None] * stride_csm + offs_g[None, :] * stride_csn, g_scale,
                  mask=row_mask[:, None] & (offs_g[None, :] * OUT_GROUP < N))
@@ -379,6 +290,7 @@ def _epilogue(acc, acc_up, row_mask, as_row, c_row, out_row, a_e, e64, pid_n, of
         w = tl.load(topk_weights_ptr + (c_row // topk) * stride_wt + (c_row % topk) * stride_wk,
                     mask=row_mask, other=0.0)
         acc = acc * w.to(tl.float32)[:, None]
+
     c_ptrs = c_ptr + a_e * stride_ce + out_row[:, None] * stride_cm + offs_n[None, :] * stride_cn
     tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=row_mask[:, None] & n_mask[None, :])
 
@@ -530,9 +442,6 @@ def moe_gemm(
         raise ValueError(f"tile {tile} must have power-of-two blocks")
     if tile.persistent not in PERSISTENT_MODES:
         raise ValueError(f"tile.persistent ({tile.persistent!r}) must be one of {PERSISTENT_MODES}")
-    if tile.tail_m and (tile.tail_m & (tile.tail_m - 1) or not 16 <= tile.tail_m < tile.BLOCK_M or tile.persistent):
-        raise ValueError(f"tile.tail_m ({tile.tail_m}) must be 0, or a power of two in [16, BLOCK_M = {tile.BLOCK_M}) "
-                         f"with persistent 0 (got {tile.persistent})")
     if batched:
         slots = a.shape[1]
         num_pid_m = cdiv(slots, tile.BLOCK_M)
@@ -564,7 +473,7 @@ def moe_gemm(
     if tile.a_tma and (batched or a_sorted):
         a_arg = _descriptor(a, [1, tile.BLOCK_M, tile.BLOCK_K] if batched else [tile.BLOCK_M, tile.BLOCK_K])
     _moe_gemm_kernel[grid](
-        a_arg if a_arg is not None else a, a, b_arg if b_arg is not None else b_ENK, c,
+        a_arg if a_arg is not None else a, b_arg if b_arg is not None else b_ENK, c,
         a_scale if a_scale is not None else dummy,
         b_scale if b_scale is not None else dummy,
         topk_weights_Tk if topk_weights_Tk is not None else dummy,
@@ -590,7 +499,7 @@ def moe_gemm(
         B_TMA=b_arg is not None, A_SORTED=a_sorted, C_SORTED=c_sorted, A_TMA=a_arg is not None,
         PER_ROUTE=per_route, HAS_MAP=expert_map_E is not None, OUT_GROUP=c_group,
         BLOCK_M=tile.BLOCK_M, BLOCK_N=tile.BLOCK_N, BLOCK_K=tile.BLOCK_K, GROUP_M=tile.GROUP_M,
-        PERSISTENT=persistent, TAIL_M=tile.tail_m if sorted_ids_S is not None else 0,
+        PERSISTENT=persistent,
         num_warps=tile.num_warps, num_stages=tile.num_stages,
     )
     return c
