@@ -390,6 +390,8 @@ def moe_gemm(
       a or c then has sorted_ids_S.numel() rows); the A scale, if per row, is in the same order as A.
     tile.b_tma / tile.a_tma: B / A tiles through tensor descriptors where TMA can address them (A: only
       with a_sorted or batched, whose block rows are contiguous); elsewhere pointers, same values.
+    tile.persistent (standard format): min(tiles, SMs) programs walk the tiles of the filled blocks
+      (1), with the loop nest flattened (2); same values, only the schedule differs.
     """
     batched = expert_num_tokens_El is not None
     per_route = topk_ids_Tk is not None
