@@ -180,6 +180,12 @@ def test_tune_gemm2_candidates_skip_what_was_timed():
     deep = [(16, 64, 256, 1, 4, 4, 0, 0, 0), (16, 32, 128, 1, 4, 4, 0, 0, 0)]
     fits = lambda t: tune_moe._fits(t, 2, 1024.0, None)  # noqa: E731
     assert tune_moe.gemm2_candidates(wide, deep, fits=fits) == [(128, 32, 128, 1, 4, 4, 0, 0, 0)]
+    # a tile with fields the tuner does not sweep (persistent): its candidate tuple is best's, act_q last
+    from moe_modular.kernels.moe_gemm import GemmTile
+
+    g1 = GemmTile(16, 64, 128, 1, 4, 4, act_q=1, persistent=2)
+    assert tune_moe._tuned(g1) == best
+    assert tune_moe._tile(best) == GemmTile(16, 64, 128, 1, 4, 4, act_q=1)
 
 
 def test_tune_space_is_pruned():

@@ -27,7 +27,7 @@ import os
 import random
 import sys
 import time
-from dataclasses import asdict, astuple
+from dataclasses import asdict
 from typing import Callable, Optional
 
 import torch
@@ -69,10 +69,19 @@ SMEM_BYTES = 200 * 1024
 MAX_ACC_PER_THREAD = 128
 
 
+# The GemmTile fields a candidate tuple holds, in order; the others (persistent) keep their defaults.
+TUNED_FIELDS = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "num_warps", "num_stages", "b_tma", "a_tma", "act_q")
+
+
 def _tile(t: tuple):
     from moe_modular.kernels.moe_gemm import GemmTile
 
-    return GemmTile(*t)
+    return GemmTile(**dict(zip(TUNED_FIELDS, t, strict=True)))
+
+
+def _tuned(tile) -> tuple:
+    """The candidate tuple of a GemmTile (its TUNED_FIELDS)."""
+    return tuple(getattr(tile, f) for f in TUNED_FIELDS)
 
 
 def _fits(t, elt_bytes: int, per_expert: float, block_k_limit: Optional[int]) -> bool:
@@ -277,9 +286,9 @@ def main(argv=None) -> int:
                 todo = []
                 if results and args.gemm2:
                     g1 = min(results, key=lambda r: r[0])[1].gemm1
-                    tried = tuple(astuple(c.gemm2) for _, c in results if c.gemm1 == g1)
+                    tried = tuple(_tuned(c.gemm2) for _, c in results if c.gemm1 == g1)
                     per_expert = M * shape.topk / shape.E
-                    todo = gemm2_candidates(astuple(g1), pool, tried,
+                    todo = gemm2_candidates(_tuned(g1), pool, tried,
                                             lambda t: args.space == "smoke" or _fits(t, elt, per_expert, limit))
                     for t2 in todo:
                         run(TileConfig(g1, _tile(t2)), 2)
