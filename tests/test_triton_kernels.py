@@ -207,18 +207,20 @@ def test_moe_gemm_b_tma_falls_back_to_pointers_where_tma_cannot_address_the_weig
     assert not outs[0].isnan().any() and torch.equal(outs[0], outs[1])
 
 
+@pytest.mark.parametrize("persistent", [0, 2], ids=["tiles", "persistent-ignored"])
 @pytest.mark.parametrize("b_tma,a_tma", [(0, 0), (1, 0), (1, 1)], ids=["ptr", "b-tma", "ab-tma"])
 @pytest.mark.parametrize("dtype,qc", [GEMM_SCHEMES[0], GEMM_SCHEMES[3], GEMM_SCHEMES[4]],
                          ids=lambda v: getattr(v, "name", str(v)))
-def test_moe_gemm_batched_matches_oracle_and_leaves_unused_slots(dtype, qc, b_tma, a_tma):
-    # El=3 experts with counts (0, 5, 17): an empty expert and one spanning two 16-row blocks
+def test_moe_gemm_batched_matches_oracle_and_leaves_unused_slots(dtype, qc, b_tma, a_tma, persistent):
+    # El=3 experts with counts (0, 5, 17): an empty expert and one spanning two 16-row blocks; the
+    # batched format ignores tile.persistent (a program per tile either way)
     El, B, K, No = 3, 17, 80, 40
     counts = torch.tensor([0, 5, 17], dtype=torch.int32)
     xq, xs, wq, ws = _gemm_inputs(El * B, K, El, No, dtype, qc, seed=6)
     a = xq.view(El, B, K)
     a_scale = None if xs is None else xs.view(El, B, -1)
     c = torch.full((El, B, No), float("nan"), dtype=dtype, device=DEVICE)
-    tile = GemmTile(16, 32, 32 if qc.is_block else 64, 1, 4, 2, b_tma, a_tma)
+    tile = GemmTile(16, 32, 32 if qc.is_block else 64, 1, 4, 2, b_tma, a_tma, persistent=persistent)
     a_mode, b_mode = _MODES.get(qc.name, (AScale.GROUP, BScale.BLOCK))
     moe_gemm(a.to(DEVICE), wq.to(DEVICE), c, tile, a_scale=None if a_scale is None else a_scale.to(DEVICE),
              a_scale_mode=a_mode, b_scale=None if ws is None else ws.to(DEVICE), b_scale_mode=b_mode,
@@ -453,20 +455,34 @@ def test_moe_gemm_fused_activation_with_fp8_groups_matches_oracle():
                  fuse_activation=Activation.SILU, c_scale=torch.empty(T * k, 1, device=DEVICE), c_group=64)
 
 
+# Routes per expert for the persistent tests (BLOCK_M 16): two full blocks and a partial one, one partial
+# block, exactly one full block, none.
+PERSISTENT_COUNTS = [41, 9, 16, 0]
+
+
+def _routes_with_counts(counts, k, g):
+    """topk ids (T, k) whose routes hit expert e counts[e] times, in random order."""
+    ids = torch.cat([torch.full((n,), e, dtype=torch.int32) for e, n in enumerate(counts)])
+    return ids[torch.randperm(ids.numel(), generator=g)].view(-1, k)
+
+
+@pytest.mark.parametrize("persistent", [0, 2], ids=["tiles", "persistent"])
 @pytest.mark.parametrize("a_tma", [0, 1], ids=["a-ptr", "a-tma"])
-def test_moe_gemm_sorted_intermediate_chain_matches_oracle(a_tma):
+def test_moe_gemm_sorted_intermediate_chain_matches_oracle(a_tma, persistent):
     # The fused first GEMM writes the intermediate in sorted order (c_sorted); the second GEMM reads it
-    # there (a_sorted, through a descriptor with a_tma) and writes routes, times the top-k weights.
+    # there (a_sorted, through a descriptor with a_tma) and writes routes, times the top-k weights; a
+    # program per tile, or (persistent) a program per SM walking the tiles. Routing PERSISTENT_COUNTS.
     # Unheld routes (id -1) and padding rows: nothing written (NaN stays).
-    T, k, El, K, N = 7, 2, 3, 96, 40
+    k, El, K, N = 2, len(PERSISTENT_COUNTS), 96, 40
     g = _gen(17)
+    ids = _routes_with_counts(PERSISTENT_COUNTS, k, g)
+    ids[2, 0] = -1
+    T = ids.shape[0]
     x = torch.randn(T, K, generator=g).to(torch.bfloat16)
     w1 = (torch.randn(El, 2 * N, K, generator=g) / K ** 0.5).to(torch.bfloat16)
     w2 = (torch.randn(El, K, N, generator=g) / N ** 0.5).to(torch.bfloat16)
-    ids = torch.randint(0, El, (T, k), generator=g, dtype=torch.int32)
-    ids[2, 0] = -1
     topk_w = torch.rand(T, k, generator=g)
-    tile = GemmTile(16, 32, 32, 1, 4, 2, 1, a_tma)
+    tile = GemmTile(16, 32, 32, 2, 4, 2, 1, a_tma, persistent=persistent)
     sorted_ids, block_expert, num_pp = moe_align(ids.to(DEVICE), tile.BLOCK_M, El, None)
     S = sorted_ids.numel()
     align = dict(sorted_ids_S=sorted_ids, block_expert_Mb=block_expert, num_post_padded=num_pp, num_routes=T * k)
@@ -487,19 +503,8 @@ def test_moe_gemm_sorted_intermediate_chain_matches_oracle(a_tma):
         ref = moe_gemm_torch(h.to(torch.bfloat16), w2[e]) * topk_w.view(-1)[r]
         assert _rel(y[r: r + 1], ref) <= 2 * torch.finfo(torch.bfloat16).eps
     assert inter.cpu()[sid == T * k].isnan().all(), "padding rows were written"
-    with pytest.raises(ValueError, match=r"a_sorted needs a with sorted_ids_S.numel\(\) \(\d+\) rows, got 14"):
+    with pytest.raises(ValueError, match=rf"a_sorted needs a with sorted_ids_S.numel\(\) \(\d+\) rows, got {T * k}"):
         moe_gemm(inter[: T * k], w2.to(DEVICE), y.to(DEVICE), tile, a_sorted=True, **align)
-
-
-# Routes per expert for the persistent tests (BLOCK_M 16): two full blocks and a partial one, one partial
-# block, exactly one full block, none.
-PERSISTENT_COUNTS = [41, 9, 16, 0]
-
-
-def _routes_with_counts(counts, k, g):
-    """topk ids (T, k) whose routes hit expert e counts[e] times, in random order."""
-    ids = torch.cat([torch.full((n,), e, dtype=torch.int32) for e, n in enumerate(counts)])
-    return ids[torch.randperm(ids.numel(), generator=g)].view(-1, k)
 
 
 @pytest.mark.parametrize("persistent", [1, 2])
@@ -530,53 +535,6 @@ def test_moe_gemm_persistent_matches_oracle(dtype, qc, persistent):
     with pytest.raises(ValueError, match=r"tile.persistent \(3\) must be one of \(0, 1, 2\)"):
         moe_gemm(xq.to(DEVICE), wq.to(DEVICE), c.to(DEVICE), GemmTile(16, 32, 32, persistent=3), sorted_ids_S=sorted_ids,
                  block_expert_Mb=block_expert, num_post_padded=npp, a_row_div=k, num_routes=T * k)
-
-
-@pytest.mark.parametrize("a_tma", [0, 1], ids=["a-ptr", "a-tma"])
-def test_moe_gemm_persistent_sorted_chain_and_batched_format(a_tma):
-    # Persistent launches of the fused first GEMM and of the second GEMM on sorted rows, routes not held
-    # here (id -1) among them; then the batched format, which ignores the flag.
-    k, E, K, N = 2, len(PERSISTENT_COUNTS), 64, 40
-    g = _gen(63)
-    ids = _routes_with_counts(PERSISTENT_COUNTS, k, g)
-    ids[0, 0] = -1
-    T = ids.shape[0]
-    x = torch.randn(T, K, generator=g).to(torch.bfloat16)
-    w1 = (torch.randn(E, 2 * N, K, generator=g) / K ** 0.5).to(torch.bfloat16)
-    w2 = (torch.randn(E, K, N, generator=g) / N ** 0.5).to(torch.bfloat16)
-    topk_w = torch.rand(T, k, generator=g)
-    tile = GemmTile(16, 32, 32, 2, 4, 2, 1, a_tma, persistent=2)
-    sorted_ids, block_expert, num_pp = moe_align(ids.to(DEVICE), tile.BLOCK_M, E, None)
-    align = dict(sorted_ids_S=sorted_ids, block_expert_Mb=block_expert, num_post_padded=num_pp, num_routes=T * k)
-    inter = torch.full((sorted_ids.numel(), N), float("nan"), dtype=torch.bfloat16, device=DEVICE)
-    moe_gemm(x.to(DEVICE), w1.to(DEVICE), inter, tile, a_row_div=k, fuse_activation=Activation.SILU, c_sorted=True,
-             **align)
-    y = torch.full((T * k, K), float("nan"), dtype=torch.bfloat16, device=DEVICE)
-    moe_gemm(inter, w2.to(DEVICE), y, tile, a_row_div=1, topk_weights_Tk=topk_w.to(DEVICE), a_sorted=True, **align)
-    y, sid, npp = y.cpu(), sorted_ids.cpu(), int(num_pp.cpu())
-    eps = torch.finfo(torch.bfloat16).eps
-    for r in range(T * k):
-        e = int(ids.view(-1)[r])
-        if e < 0:
-            assert y[r].isnan().all(), f"route {r} is not held here but was written"
-            continue
-        p = int((sid[:npp] == r).nonzero())
-        h = act_and_mul_torch(moe_gemm_torch(x[r // k: r // k + 1], w1[e]), Activation.SILU)
-        assert _rel(inter[p: p + 1].cpu(), h) <= 2 * eps, f"route {r} (expert {e}) intermediate"
-        ref = moe_gemm_torch(h.to(torch.bfloat16), w2[e]) * topk_w.view(-1)[r]
-        assert _rel(y[r: r + 1], ref) <= 2 * eps, f"route {r} (expert {e})"
-    assert inter.cpu()[:npp][sid[:npp] == T * k].isnan().all(), "padding rows were written"
-
-    slots = max(PERSISTENT_COUNTS)
-    counts = torch.tensor(PERSISTENT_COUNTS, dtype=torch.int32)
-    a = torch.randn(E, slots, K, generator=g).to(torch.bfloat16)
-    c = torch.full((E, slots, N), float("nan"), dtype=torch.bfloat16, device=DEVICE)
-    moe_gemm(a.to(DEVICE), w2.transpose(1, 2).contiguous().to(DEVICE), c, tile, expert_num_tokens_El=counts.to(DEVICE))
-    c = c.cpu()
-    for e, n in enumerate(PERSISTENT_COUNTS):
-        if n:
-            assert _rel(c[e, :n], moe_gemm_torch(a[e, :n], w2[e].t().contiguous())) <= 2 * eps, f"expert {e}"
-        assert bool(c[e, n:].isnan().all()), f"expert {e} wrote slots past its count"
 
 
 @pytest.mark.parametrize("T,k,El,K", [(9, 3, 5, 200), (1, 1, 4, 64), (0, 2, 3, 64)], ids=["T9", "T1", "T0"])
