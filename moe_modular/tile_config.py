@@ -15,8 +15,8 @@ dtype, quant scheme name, device name) and maps token-count buckets M to one Til
            gemm2: {BLOCK_N: 64}}   # optional overrides for the second GEMM (not BLOCK_M)
       4096: {BLOCK_M: 128, BLOCK_N: 256, BLOCK_K: 64, GROUP_M: 8, num_warps: 8, num_stages: 3,
              b_tma: 1,             # optional: weight tiles through a tensor descriptor (TMA)
-             persistent: 2,        # optional: a program per SM walking the tiles (2: loop nest flattened)
-             gemm2: {a_tma: 1}}    # optional: activation tiles too, where their rows are contiguous
+             gemm2: {a_tma: 1,     # optional: activation tiles too, where their rows are contiguous
+                     persistent: 2}}  # optional: a program per SM walking the tiles (2: loop nest flattened)
 
 For M between buckets the nearest bucket in log2(M) is used. Without a matching table,
 `default_tile_config` picks tiles from the average tokens per expert.
