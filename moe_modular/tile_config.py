@@ -17,6 +17,7 @@ dtype, quant scheme name, device name) and maps token-count buckets M to one Til
              b_tma: 1,             # optional: weight tiles through a tensor descriptor (TMA)
              gemm2: {a_tma: 1,     # optional: activation tiles too, where their rows are contiguous
                      persistent: 2}}  # optional: a program per SM walking the tiles (2: loop nest flattened)
+      # ws: 1 (with a_tma: 1): the warp-specialized Hopper kernel (moe_gemm_ws) where it covers the case
 
 For M between buckets the nearest bucket in log2(M) is used. Without a matching table,
 `default_tile_config` picks tiles from the average tokens per expert.
@@ -37,8 +38,8 @@ from moe_modular.quant import QuantConfig
 CONFIG_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs")
 CPU_DEVICE_NAME = "cpu"
 _TILE_FIELDS = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "num_warps", "num_stages", "b_tma", "a_tma", "act_q",
-                "persistent")
-_FLAG_FIELDS = ("b_tma", "a_tma", "act_q")  # 0 / 1, listed in tables only where 1
+                "persistent", "ws")
+_FLAG_FIELDS = ("b_tma", "a_tma", "act_q", "ws")  # 0 / 1, listed in tables only where 1
 _OFF_BY_DEFAULT = _FLAG_FIELDS + ("persistent",)  # 0 = off; listed in tables only where set
 
 

@@ -6,6 +6,7 @@ Shapes are tiny: the interpreter costs about a second per launch.
 from __future__ import annotations
 
 import os
+from dataclasses import replace
 
 import pytest
 import torch
@@ -13,7 +14,7 @@ import torch
 from moe_modular.config import Activation
 from moe_modular.kernels.act_and_mul import IntermediateQuant, RowMode, act_and_mul, act_and_mul_torch
 from moe_modular.kernels.moe_align import ALIGN_BLOCK, moe_align, moe_align_torch
-from moe_modular.kernels.moe_gemm import AScale, BScale, GemmTile, moe_gemm, moe_gemm_torch
+from moe_modular.kernels.moe_gemm import AScale, BScale, GemmTile, gpu_has_tma, moe_gemm, moe_gemm_torch
 from moe_modular.kernels.moe_sum import moe_sum, moe_sum_torch
 from moe_modular.quant import FP8_DTYPE, QuantConfig, expand_group_scale, quantize_activations, quantize_weights
 
@@ -505,6 +506,58 @@ def test_moe_gemm_sorted_intermediate_chain_matches_oracle(a_tma, persistent):
     assert inter.cpu()[sid == T * k].isnan().all(), "padding rows were written"
     with pytest.raises(ValueError, match=rf"a_sorted needs a with sorted_ids_S.numel\(\) \(\d+\) rows, got {T * k}"):
         moe_gemm(inter[: T * k], w2.to(DEVICE), y.to(DEVICE), tile, a_sorted=True, **align)
+
+
+# Routes per expert for the warp-specialized chain (BLOCK_M 64 / 128): full and partial blocks, a single
+# route, none, a block exactly full.
+WS_COUNTS = [150, 1, 0, 128, 301]
+
+
+@pytest.mark.skipif(not gpu_has_tma(DEVICE), reason="the warp-specialized Gluon kernel needs a Hopper-class GPU "
+                    "(Triton's interpreter does not run Gluon); elsewhere tile.ws runs the Triton kernel")
+@pytest.mark.parametrize("activation", [Activation.SILU, Activation.GELU], ids=lambda a: a.value)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("block_m,num_warps", [(128, 8), (64, 4)], ids=["m128w8", "m64w4"])
+def test_moe_gemm_ws_chain_matches_oracle(block_m, num_warps, dtype, activation):
+    # The warp-specialized kernel for both GEMMs: tokens sorted (sort_rows), the fused first GEMM writes the
+    # intermediate in sorted order, the second reads it there and writes routes times the top-k weights.
+    # N and K are not multiples of the tiles (the weight boxes read past an expert's rows and TMA pads K).
+    # Unheld routes and padding rows: nothing written (NaN stays).
+    from moe_modular.kernels.sort_rows import sort_rows
+
+    k, El, K, N = 2, len(WS_COUNTS), 200, 136
+    g = _gen(83)
+    ids = _routes_with_counts(WS_COUNTS, k, g)
+    ids[3, 1] = -1
+    T = ids.shape[0]
+    x = torch.randn(T, K, generator=g).to(dtype)
+    w1 = (torch.randn(El, 2 * N, K, generator=g) / K ** 0.5).to(dtype)
+    w2 = (torch.randn(El, K, N, generator=g) / N ** 0.5).to(dtype)
+    topk_w = torch.rand(T, k, generator=g)
+    tile = GemmTile(block_m, 64, 64, 4, num_warps, 4, b_tma=1, a_tma=1, ws=1)
+    sorted_ids, block_expert, num_pp = moe_align(ids.to(DEVICE), tile.BLOCK_M, El, None)
+    S = sorted_ids.numel()
+    align = dict(sorted_ids_S=sorted_ids, block_expert_Mb=block_expert, num_post_padded=num_pp, num_routes=T * k)
+    xs = sort_rows(x.to(DEVICE), sorted_ids, num_pp, k, torch.full((S, K), float("nan"), dtype=dtype, device=DEVICE))
+    inter = torch.full((S, N), float("nan"), dtype=dtype, device=DEVICE)
+    moe_gemm(xs, w1.to(DEVICE), inter, tile, a_row_div=k, fuse_activation=activation, a_sorted=True, c_sorted=True,
+             **align)
+    y = torch.full((T * k, K), float("nan"), dtype=dtype, device=DEVICE)
+    moe_gemm(inter, w2.to(DEVICE), y, replace(tile, BLOCK_N=128), a_row_div=1, topk_weights_Tk=topk_w.to(DEVICE),
+             a_sorted=True, **align)
+    y, sid, npp = y.cpu(), sorted_ids.cpu(), int(num_pp.cpu())
+    eps = torch.finfo(dtype).eps
+    for r in range(T * k):
+        e = int(ids.view(-1)[r])
+        if e < 0:
+            assert y[r].isnan().all()
+            continue
+        p = int((sid[:npp] == r).nonzero())
+        h = act_and_mul_torch(moe_gemm_torch(x[r // k: r // k + 1], w1[e]), activation)
+        assert _rel(inter[p: p + 1].cpu(), h) <= 2 * eps, f"route {r} (expert {e}): intermediate"
+        ref = moe_gemm_torch(inter[p: p + 1].cpu(), w2[e]) * topk_w.view(-1)[r]
+        assert _rel(y[r: r + 1], ref) <= 2 * eps, f"route {r} (expert {e}): output"
+    assert inter.cpu()[sid == T * k].isnan().all(), "padding rows were written"
 
 
 @pytest.mark.parametrize("persistent", [1, 2])

@@ -86,6 +86,8 @@ class GemmTile:
     # quantization in the epilogue
     persistent: int = 0  # standard format: 1 launches a program per SM that walks the tiles, 2 also flattens that
     # loop nest (the next tile's loads overlap this tile's epilogue); batched and per-route launches ignore it
+    ws: int = 0  # 1: the warp-specialized Gluon kernel (moe_gemm_ws.py) where it covers the launch (ws_applies);
+    # elsewhere this kernel, same values
 
 
 @triton.jit
@@ -335,6 +337,19 @@ def _descriptor(t: torch.Tensor, block: list[int]) -> Optional["TensorDescriptor
     return TensorDescriptor(t, list(t.shape), list(t.stride()), block)
 
 
+def ws_applies(tile: GemmTile, a: torch.Tensor, b_ENK: torch.Tensor, c: torch.Tensor, *, standard: bool,
+               a_sorted: bool, scaled: bool, c_group: int) -> bool:
+    """Whether moe_gemm runs `tile` with the warp-specialized kernel: tile.ws on a Hopper-class GPU, the
+    standard format with sorted A, bf16 / fp16 operands without scales, A, B and C rows contiguous and
+    16-byte aligned (TMA boxes of A and B)."""
+    if not (tile.ws and standard and a_sorted and not scaled and not c_group and gpu_has_tma(a.device)):
+        return False
+    if a.dtype not in (torch.bfloat16, torch.float16) or b_ENK.dtype != a.dtype or not b_ENK.is_contiguous():
+        return False
+    boxes = ((a, [tile.BLOCK_M, tile.BLOCK_K]), (b_ENK.view(-1, b_ENK.shape[-1]), [tile.BLOCK_N, tile.BLOCK_K]))
+    return c.stride(-1) == 1 and all(_descriptor(t, box) is not None for t, box in boxes)
+
+
 def _a_scale_strides(scale: Optional[torch.Tensor], mode: AScale, batched: bool) -> tuple[int, int, int]:
     """(expert, row, group) strides of an A scale in `mode`."""
     if mode in (AScale.ROW, AScale.GROUP):
@@ -392,6 +407,8 @@ def moe_gemm(
       with a_sorted or batched, whose block rows are contiguous); elsewhere pointers, same values.
     tile.persistent (standard format): min(tiles, SMs) programs walk the tiles of the filled blocks
       (1), with the loop nest flattened (2); same values, only the schedule differs.
+    tile.ws: the warp-specialized Hopper kernel of moe_gemm_ws.py where ws_applies (a_sorted, 16-bit
+      operands without scales, a Hopper-class GPU); elsewhere this kernel, same values.
     """
     batched = expert_num_tokens_El is not None
     per_route = topk_ids_Tk is not None
@@ -458,6 +475,16 @@ def moe_gemm(
         sc_e, (sc_m, sc_n) = 0, c.stride()
     if grid[0] == 0:
         return c
+    scaled = a_scale_mode is not AScale.NONE or b_scale_mode is not BScale.NONE
+    if ws_applies(tile, a, b_ENK, c, standard=sorted_ids_S is not None, a_sorted=a_sorted, scaled=scaled,
+                  c_group=c_group):
+        from moe_modular.kernels.moe_gemm_ws import moe_gemm_ws
+
+        return moe_gemm_ws(a, b_ENK, c, tile, sorted_ids_S=sorted_ids_S, block_expert_Mb=block_expert_Mb,
+                           num_post_padded=num_post_padded, num_routes=num_routes,
+                           programs=min(grid[0], resident_programs(a.device)), topk_weights_Tk=topk_weights_Tk,
+                           activation_code=None if fuse_activation is None else _ACT_CODE[fuse_activation],
+                           c_sorted=c_sorted)
     persistent = tile.persistent if sorted_ids_S is not None else 0
     if persistent:  # no more programs than tiles, nor than the device runs at once
         grid = (min(grid[0], resident_programs(a.device)),)

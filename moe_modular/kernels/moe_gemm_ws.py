@@ -1,0 +1,221 @@
+"""Warp-specialized grouped expert GEMM for Hopper, in Gluon (standard format, sorted A, 16-bit operands).
+
+The same product as moe_gemm's Triton kernel for one case: A rows in sorted order (a_sorted: block b of
+BLOCK_M rows belongs to expert block_expert_Mb[b], rows of padding entries hold anything), B (El, No, Ko)
+unscaled bf16 / fp16, optionally the gate | up halves of w1 with SiLU / GELU applied in the epilogue, the
+top-k weight multiplied into route rows, C written at the route (or, c_sorted, the sorted) rows.
+
+Schedule: one program per SM walks the tiles of the filled blocks (their count read on the device) in the
+grouped order of moe_gemm. Each program is two partitions that share a ring of STAGES shared-memory
+buffers: a one-warp loader that streams A and B tiles through TMA, and the default partition (the
+launch's warps, one or two warpgroups) that runs the wgmma chain on them and then the epilogue. The
+loader runs ahead into the next tile while the default partition finishes this one, so a tile's
+epilogue overlaps the next tile's loads. Hand-off: `ready[s]` completes when TMA has landed stage s,
+`empty[s]` when the MMAs that read it are done.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    mbarrier,
+    tma,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+# Shared memory a program may fill with its stage ring (Hopper: 227 KiB per block; the rest stays for the
+# barriers and the compiler's scratch).
+WS_SMEM_BYTES = 216 * 1024
+# Registers of the loader warp (it only issues TMA copies).
+LOADER_REGS: gl.constexpr = gl.constexpr(40)
+
+
+@gluon.constexpr_function
+def _mma_warps(block_m, num_warps):
+    """warps_per_cta of the accumulator: warps down the rows (16 rows each) first, the rest across columns."""
+    along_m = min(num_warps, max(4, block_m // 16))
+    return [along_m, num_warps // along_m]
+
+
+@gluon.constexpr_function
+def _instr_n(block_n, num_warps, block_m):
+    """The wgmma instruction's N: the columns one warp column covers, at most 256."""
+    return min(256, block_n // _mma_warps(block_m, num_warps)[1])
+
+
+@gluon.jit
+def _ws_tile_order(tile, num_pid_m, num_pid_n, GROUP_M: gl.constexpr):
+    """(row block, column block) of tile number `tile`, GROUP_M row blocks per column sweep (moe_gemm's order)."""
+    per_group = GROUP_M * num_pid_n
+    first_m = (tile // per_group) * GROUP_M
+    group_rows = gl.minimum(num_pid_m - first_m, GROUP_M)
+    return first_m + ((tile % per_group) % group_rows), (tile % per_group) // group_rows
+
+
+@gluon.jit
+def _ws_loader(a_desc, b_desc, a_bufs, b_bufs, u_bufs, ready, empty, block_expert_ptr, num_post_padded_ptr,
+               N, K, b_rows_per_expert,
+               FUSE_ACT: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
+               GROUP_M: gl.constexpr, STAGES: gl.constexpr):
+    num_blocks = gl.load(num_post_padded_ptr) // BLOCK_M
+    num_pid_n = gl.cdiv(N, BLOCK_N)
+    k_steps = gl.cdiv(K, BLOCK_K)
+    if FUSE_ACT:
+        nbytes: gl.constexpr = a_desc.block_type.nbytes + 2 * b_desc.block_type.nbytes
+    else:
+        nbytes: gl.constexpr = a_desc.block_type.nbytes + b_desc.block_type.nbytes
+    i = 0
+    for tile in range(gl.program_id(0), num_blocks * num_pid_n, gl.num_programs(0)):
+        pid_m, pid_n = _ws_tile_order(tile, num_blocks, num_pid_n, GROUP_M)
+        expert = gl.load(block_expert_ptr + pid_m)
+        b_row = expert * b_rows_per_expert + pid_n * BLOCK_N
+        for kk in range(k_steps):
+            s = i % STAGES
+            mbarrier.wait(empty.index(s), ((i // STAGES) & 1) ^ 1)  # a fresh barrier passes parity 1
+            mbarrier.expect(ready.index(s), nbytes)
+            tma.async_copy_global_to_shared(a_desc, [pid_m * BLOCK_M, kk * BLOCK_K], ready.index(s), a_bufs.index(s))
+            tma.async_copy_global_to_shared(b_desc, [b_row, kk * BLOCK_K], ready.index(s), b_bufs.index(s))
+            if FUSE_ACT:
+                tma.async_copy_global_to_shared(b_desc, [b_row + N, kk * BLOCK_K], ready.index(s), u_bufs.index(s))
+            i += 1
+
+
+@gluon.jit
+def _ws_mma_epilogue(a_bufs, b_bufs, u_bufs, ready, empty, c_ptr, topk_weights_ptr, sorted_ids_ptr,
+                     block_expert_ptr, num_post_padded_ptr, num_routes, N, K, topk, stride_cm, stride_wt, stride_wk,
+                     FUSE_ACT: gl.constexpr, ACTIVATION: gl.constexpr, MUL_WEIGHT: gl.constexpr,
+                     C_SORTED: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
+                     GROUP_M: gl.constexpr, STAGES: gl.constexpr, NUM_WARPS: gl.constexpr):
+    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=_mma_warps(BLOCK_M, NUM_WARPS),
+        instr_shape=[16, _instr_n(BLOCK_N, NUM_WARPS, BLOCK_M), 16])
+    rows_layout: gl.constexpr = gl.SliceLayout(1, acc_layout)
+    cols_layout: gl.constexpr = gl.SliceLayout(0, acc_layout)
+    num_blocks = gl.load(num_post_padded_ptr) // BLOCK_M
+    num_pid_n = gl.cdiv(N, BLOCK_N)
+    k_steps = gl.cdiv(K, BLOCK_K)
+    i = 0
+    for tile in range(gl.program_id(0), num_blocks * num_pid_n, gl.num_programs(0)):
+        pid_m, pid_n = _ws_tile_order(tile, num_blocks, num_pid_n, GROUP_M)
+        acc = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, acc_layout)
+        acc_up = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, acc_layout)
+        for kk in range(k_steps):
+            s = i % STAGES
+            mbarrier.wait(ready.index(s), (i // STAGES) & 1)
+            acc = warpgroup_mma(a_bufs.index(s), b_bufs.index(s).permute((1, 0)), acc, is_async=True)
+            if FUSE_ACT:
+                acc_up = warpgroup_mma(a_bufs.index(s), u_bufs.index(s).permute((1, 0)), acc_up, is_async=True)
+                # this step's two MMAs may still run; the previous step's are done, so its stage is free
+                acc, acc_up = warpgroup_mma_wait(num_outstanding=2, deps=(acc, acc_up))
+            else:
+                acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc, ))
+            mbarrier.arrive(empty.index((i + STAGES - 1) % STAGES), pred=kk > 0)
+            i += 1
+        if FUSE_ACT:
+            acc, acc_up = warpgroup_mma_wait(num_outstanding=0, deps=(acc, acc_up))
+        else:
+            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+        mbarrier.arrive(empty.index((i + STAGES - 1) % STAGES))
+
+        offs_m = pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=rows_layout)
+        sid = gl.load(sorted_ids_ptr + offs_m)
+        row_mask = sid < num_routes
+        offs_n = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=cols_layout)
+        if FUSE_ACT:  # act(gate) * up, as act_and_mul.gated_act
+            if ACTIVATION == 0:
+                acc = acc / (1.0 + gl.exp(-acc)) * acc_up
+            else:
+                acc = 0.5 * acc * (1.0 + gl.erf(acc * 0.7071067811865476)) * acc_up
+        if MUL_WEIGHT:
+            w = gl.load(topk_weights_ptr + (sid // topk) * stride_wt + (sid % topk) * stride_wk, mask=row_mask,
+                        other=0.0)
+            acc = acc * w.to(gl.float32)[:, None]
+        if C_SORTED:
+            out_row = offs_m.to(gl.int64)
+        else:
+            out_row = sid.to(gl.int64)
+        c_ptrs = c_ptr + out_row[:, None] * stride_cm + offs_n[None, :]
+        gl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=row_mask[:, None] & (offs_n[None, :] < N))
+
+
+@gluon.jit
+def _moe_gemm_ws_kernel(a_desc, b_desc, c_ptr, topk_weights_ptr, sorted_ids_ptr, block_expert_ptr,
+                        num_post_padded_ptr, num_routes, N, K, topk, b_rows_per_expert, stride_cm, stride_wt,
+                        stride_wk,
+                        FUSE_ACT: gl.constexpr, ACTIVATION: gl.constexpr, MUL_WEIGHT: gl.constexpr,
+                        C_SORTED: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                        BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
+                        NUM_WARPS: gl.constexpr):
+    a_bufs = gl.allocate_shared_memory(a_desc.dtype, [STAGES, BLOCK_M, BLOCK_K], a_desc.layout)
+    b_bufs = gl.allocate_shared_memory(b_desc.dtype, [STAGES, BLOCK_N, BLOCK_K], b_desc.layout)
+    if FUSE_ACT:
+        u_bufs = gl.allocate_shared_memory(b_desc.dtype, [STAGES, BLOCK_N, BLOCK_K], b_desc.layout)
+    else:
+        u_bufs = b_bufs
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for s in gl.static_range(STAGES):
+        mbarrier.init(ready.index(s), count=1)
+        mbarrier.init(empty.index(s), count=1)
+    fence_async_shared()
+    gl.warp_specialize([
+        (_ws_mma_epilogue, (a_bufs, b_bufs, u_bufs, ready, empty, c_ptr, topk_weights_ptr, sorted_ids_ptr,
+                            block_expert_ptr, num_post_padded_ptr, num_routes, N, K, topk, stride_cm, stride_wt,
+                            stride_wk, FUSE_ACT, ACTIVATION, MUL_WEIGHT, C_SORTED, BLOCK_M, BLOCK_N, BLOCK_K,
+                            GROUP_M, STAGES, NUM_WARPS)),
+        (_ws_loader, (a_desc, b_desc, a_bufs, b_bufs, u_bufs, ready, empty, block_expert_ptr, num_post_padded_ptr,
+                      N, K, b_rows_per_expert, FUSE_ACT, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES)),
+    ], [1], [LOADER_REGS])
+
+
+_GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}
+
+
+def ws_stages(tile, fused: bool, item: int) -> int:
+    """Stages of the ring: tile.num_stages, or fewer where that many would not fit WS_SMEM_BYTES."""
+    per_stage = (tile.BLOCK_M + tile.BLOCK_N * (2 if fused else 1)) * tile.BLOCK_K * item
+    return max(1, min(tile.num_stages, WS_SMEM_BYTES // per_stage))
+
+
+def ws_descriptors(a: torch.Tensor, b_ENK: torch.Tensor, tile, fused: bool):
+    """(A, B) descriptors: A (S, Ko) sorted rows in BLOCK_M x BLOCK_K boxes, B (El, No, Ko) as (El * No, Ko)
+    rows in BLOCK_N x BLOCK_K boxes (a box past an expert's rows reads the next expert's, whose columns
+    are never stored; past the last expert TMA reads zeros)."""
+    dt = _GL_DTYPES[a.dtype]
+    a_layout = gl.NVMMASharedLayout.get_default_for([tile.BLOCK_M, tile.BLOCK_K], dt)
+    b_layout = gl.NVMMASharedLayout.get_default_for([tile.BLOCK_N, tile.BLOCK_K], dt)
+    b2 = b_ENK.view(-1, b_ENK.shape[-1])
+    return (TensorDescriptor(a, list(a.shape), list(a.stride()), [tile.BLOCK_M, tile.BLOCK_K], a_layout),
+            TensorDescriptor(b2, list(b2.shape), list(b2.stride()), [tile.BLOCK_N, tile.BLOCK_K], b_layout))
+
+
+def moe_gemm_ws(a: torch.Tensor, b_ENK: torch.Tensor, c: torch.Tensor, tile, *, sorted_ids_S: torch.Tensor,
+                block_expert_Mb: torch.Tensor, num_post_padded: torch.Tensor, num_routes: int, programs: int,
+                topk_weights_Tk: Optional[torch.Tensor] = None, activation_code: Optional[int] = None,
+                c_sorted: bool = False) -> torch.Tensor:
+    """Launch the warp-specialized GEMM (moe_gemm checks the case and routes here); returns c.
+
+    a (S, Ko) in sorted order; b_ENK (El, No, Ko) contiguous (with activation_code, the gate then the up
+    rows: c gets No / 2 columns and tile.BLOCK_N counts c's columns); c (R, No') route rows or, c_sorted,
+    (S, No') sorted rows; topk_weights_Tk (T, k) multiplies route rows."""
+    fused = activation_code is not None
+    El, No, Ko = b_ENK.shape
+    N = No // 2 if fused else No
+    a_desc, b_desc = ws_descriptors(a, b_ENK, tile, fused)
+    tw = topk_weights_Tk if topk_weights_Tk is not None else c
+    sw = topk_weights_Tk.stride() if topk_weights_Tk is not None else (0, 0)
+    topk = topk_weights_Tk.shape[1] if topk_weights_Tk is not None else 1
+    _moe_gemm_ws_kernel[(programs,)](
+        a_desc, b_desc, c, tw, sorted_ids_S, block_expert_Mb, num_post_padded,
+        num_routes, N, Ko, topk, No, c.stride(0), *sw,
+        FUSE_ACT=fused, ACTIVATION=activation_code or 0, MUL_WEIGHT=topk_weights_Tk is not None,
+        C_SORTED=c_sorted, BLOCK_M=tile.BLOCK_M, BLOCK_N=tile.BLOCK_N, BLOCK_K=tile.BLOCK_K, GROUP_M=tile.GROUP_M,
+        STAGES=ws_stages(tile, fused, a.element_size()), NUM_WARPS=tile.num_warps, num_warps=tile.num_warps,
+    )
+    return c
