@@ -86,8 +86,8 @@ class GemmTile:
     # quantization in the epilogue
     persistent: int = 0  # standard format: 1 launches a program per SM that walks the tiles, 2 also flattens that
     # loop nest (the next tile's loads overlap this tile's epilogue); batched and per-route launches ignore it
-    ws: int = 0  # 1: the warp-specialized Gluon kernel (moe_gemm_ws.py) where it covers the launch (ws_applies);
-    # elsewhere this kernel, same values
+    ws: int = 0  # the warp-specialized Gluon kernel (moe_gemm_ws.py) where it covers the launch (ws_applies): 1 a
+    # program per SM walking the tiles, 2 a program per tile; elsewhere this kernel, same values
 
 
 @triton.jit
@@ -299,6 +299,9 @@ def _gemm_tile(
 
 # GemmTile.persistent: 0 a program per tile, 1 a program per SM walking the tiles, 2 that with the loop nest flattened.
 PERSISTENT_MODES = (0, 1, 2)
+# GemmTile.ws: 0 off (this kernel), 1 the Gluon kernel with a program per SM walking the tiles, 2 a program per tile.
+WS_MODES = (0, 1, 2)
+WS_PERSISTENT = 1
 # Programs of a persistent launch in the interpreter (a few, so each walks several tiles).
 INTERPRETER_PROGRAMS = 3
 
@@ -461,6 +464,8 @@ def moe_gemm(
         raise ValueError(f"tile {tile} must have power-of-two blocks")
     if tile.persistent not in PERSISTENT_MODES:
         raise ValueError(f"tile.persistent ({tile.persistent!r}) must be one of {PERSISTENT_MODES}")
+    if tile.ws not in WS_MODES:
+        raise ValueError(f"tile.ws ({tile.ws!r}) must be one of {WS_MODES}")
     if batched:
         slots = a.shape[1]
         num_pid_m = cdiv(slots, tile.BLOCK_M)
@@ -481,8 +486,8 @@ def moe_gemm(
         from moe_modular.kernels.moe_gemm_ws import moe_gemm_ws
 
         return moe_gemm_ws(a, b_ENK, c, tile, sorted_ids_S=sorted_ids_S, block_expert_Mb=block_expert_Mb,
-                           num_post_padded=num_post_padded, num_routes=num_routes,
-                           programs=min(grid[0], resident_programs(a.device)), topk_weights_Tk=topk_weights_Tk,
+                           num_post_padded=num_post_padded, num_routes=num_routes, tiles=grid[0],
+                           sms=resident_programs(a.device), topk_weights_Tk=topk_weights_Tk,
                            activation_code=None if fuse_activation is None else _ACT_CODE[fuse_activation],
                            c_sorted=c_sorted)
     persistent = tile.persistent if sorted_ids_S is not None else 0

@@ -29,6 +29,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
+from moe_modular.kernels.moe_gemm import WS_PERSISTENT
+
 # Shared memory a program may fill with its stage ring (Hopper: 227 KiB per block; the rest stays for the
 # barriers and the compiler's scratch).
 WS_SMEM_BYTES = 216 * 1024
@@ -59,10 +61,21 @@ def _ws_tile_order(tile, num_pid_m, num_pid_n, GROUP_M: gl.constexpr):
 
 
 @gluon.jit
+def _ws_tiles(num_tiles, PERSISTENT: gl.constexpr):
+    """(first, end, step) of this program's tiles: a grid's width apart (persistent), or its own tile only."""
+    first = gl.program_id(0)
+    if PERSISTENT:
+        end = num_tiles
+    else:
+        end = gl.minimum(first + 1, num_tiles)
+    return first, end, gl.num_programs(0)
+
+
+@gluon.jit
 def _ws_loader(a_desc, b_desc, a_bufs, b_bufs, u_bufs, ready, empty, block_expert_ptr, num_post_padded_ptr,
                N, K, b_rows_per_expert,
                FUSE_ACT: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
-               GROUP_M: gl.constexpr, STAGES: gl.constexpr):
+               GROUP_M: gl.constexpr, STAGES: gl.constexpr, PERSISTENT: gl.constexpr):
     num_blocks = gl.load(num_post_padded_ptr) // BLOCK_M
     num_pid_n = gl.cdiv(N, BLOCK_N)
     k_steps = gl.cdiv(K, BLOCK_K)
@@ -71,7 +84,8 @@ def _ws_loader(a_desc, b_desc, a_bufs, b_bufs, u_bufs, ready, empty, block_exper
     else:
         nbytes: gl.constexpr = a_desc.block_type.nbytes + b_desc.block_type.nbytes
     i = 0
-    for tile in range(gl.program_id(0), num_blocks * num_pid_n, gl.num_programs(0)):
+    first, end, step = _ws_tiles(num_blocks * num_pid_n, PERSISTENT)
+    for tile in range(first, end, step):
         pid_m, pid_n = _ws_tile_order(tile, num_blocks, num_pid_n, GROUP_M)
         expert = gl.load(block_expert_ptr + pid_m)
         b_row = expert * b_rows_per_expert + pid_n * BLOCK_N
@@ -91,7 +105,8 @@ def _ws_mma_epilogue(a_bufs, b_bufs, u_bufs, ready, empty, c_ptr, topk_weights_p
                      block_expert_ptr, num_post_padded_ptr, num_routes, N, K, topk, stride_cm, stride_wt, stride_wk,
                      FUSE_ACT: gl.constexpr, ACTIVATION: gl.constexpr, MUL_WEIGHT: gl.constexpr,
                      C_SORTED: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
-                     GROUP_M: gl.constexpr, STAGES: gl.constexpr, NUM_WARPS: gl.constexpr):
+                     GROUP_M: gl.constexpr, STAGES: gl.constexpr, NUM_WARPS: gl.constexpr,
+                     PERSISTENT: gl.constexpr):
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=_mma_warps(BLOCK_M, NUM_WARPS),
         instr_shape=[16, _instr_n(BLOCK_N, NUM_WARPS, BLOCK_M), 16])
@@ -101,7 +116,8 @@ def _ws_mma_epilogue(a_bufs, b_bufs, u_bufs, ready, empty, c_ptr, topk_weights_p
     num_pid_n = gl.cdiv(N, BLOCK_N)
     k_steps = gl.cdiv(K, BLOCK_K)
     i = 0
-    for tile in range(gl.program_id(0), num_blocks * num_pid_n, gl.num_programs(0)):
+    first, end, step = _ws_tiles(num_blocks * num_pid_n, PERSISTENT)
+    for tile in range(first, end, step):
         pid_m, pid_n = _ws_tile_order(tile, num_blocks, num_pid_n, GROUP_M)
         acc = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, acc_layout)
         acc_up = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, acc_layout)
@@ -151,7 +167,7 @@ def _moe_gemm_ws_kernel(a_desc, b_desc, c_ptr, topk_weights_ptr, sorted_ids_ptr,
                         FUSE_ACT: gl.constexpr, ACTIVATION: gl.constexpr, MUL_WEIGHT: gl.constexpr,
                         C_SORTED: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                         BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
-                        NUM_WARPS: gl.constexpr):
+                        NUM_WARPS: gl.constexpr, PERSISTENT: gl.constexpr):
     a_bufs = gl.allocate_shared_memory(a_desc.dtype, [STAGES, BLOCK_M, BLOCK_K], a_desc.layout)
     b_bufs = gl.allocate_shared_memory(b_desc.dtype, [STAGES, BLOCK_N, BLOCK_K], b_desc.layout)
     if FUSE_ACT:
@@ -168,9 +184,10 @@ def _moe_gemm_ws_kernel(a_desc, b_desc, c_ptr, topk_weights_ptr, sorted_ids_ptr,
         (_ws_mma_epilogue, (a_bufs, b_bufs, u_bufs, ready, empty, c_ptr, topk_weights_ptr, sorted_ids_ptr,
                             block_expert_ptr, num_post_padded_ptr, num_routes, N, K, topk, stride_cm, stride_wt,
                             stride_wk, FUSE_ACT, ACTIVATION, MUL_WEIGHT, C_SORTED, BLOCK_M, BLOCK_N, BLOCK_K,
-                            GROUP_M, STAGES, NUM_WARPS)),
+                            GROUP_M, STAGES, NUM_WARPS, PERSISTENT)),
         (_ws_loader, (a_desc, b_desc, a_bufs, b_bufs, u_bufs, ready, empty, block_expert_ptr, num_post_padded_ptr,
-                      N, K, b_rows_per_expert, FUSE_ACT, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES)),
+                      N, K, b_rows_per_expert, FUSE_ACT, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES,
+                      PERSISTENT)),
     ], [1], [LOADER_REGS])
 
 
@@ -196,14 +213,16 @@ def ws_descriptors(a: torch.Tensor, b_ENK: torch.Tensor, tile, fused: bool):
 
 
 def moe_gemm_ws(a: torch.Tensor, b_ENK: torch.Tensor, c: torch.Tensor, tile, *, sorted_ids_S: torch.Tensor,
-                block_expert_Mb: torch.Tensor, num_post_padded: torch.Tensor, num_routes: int, programs: int,
+                block_expert_Mb: torch.Tensor, num_post_padded: torch.Tensor, num_routes: int, tiles: int, sms: int,
                 topk_weights_Tk: Optional[torch.Tensor] = None, activation_code: Optional[int] = None,
                 c_sorted: bool = False) -> torch.Tensor:
     """Launch the warp-specialized GEMM (moe_gemm checks the case and routes here); returns c.
 
     a (S, Ko) in sorted order; b_ENK (El, No, Ko) contiguous (with activation_code, the gate then the up
     rows: c gets No / 2 columns and tile.BLOCK_N counts c's columns); c (R, No') route rows or, c_sorted,
-    (S, No') sorted rows; topk_weights_Tk (T, k) multiplies route rows."""
+    (S, No') sorted rows; topk_weights_Tk (T, k) multiplies route rows. tiles: the most tiles there can be
+    (blocks of block_expert_Mb times column blocks); tile.ws 1 launches min(tiles, sms) programs, 2 one per
+    tile (those past the filled blocks return at once)."""
     fused = activation_code is not None
     El, No, Ko = b_ENK.shape
     N = No // 2 if fused else No
@@ -211,11 +230,13 @@ def moe_gemm_ws(a: torch.Tensor, b_ENK: torch.Tensor, c: torch.Tensor, tile, *, 
     tw = topk_weights_Tk if topk_weights_Tk is not None else c
     sw = topk_weights_Tk.stride() if topk_weights_Tk is not None else (0, 0)
     topk = topk_weights_Tk.shape[1] if topk_weights_Tk is not None else 1
+    programs = min(tiles, sms) if tile.ws == WS_PERSISTENT else tiles
     _moe_gemm_ws_kernel[(programs,)](
         a_desc, b_desc, c, tw, sorted_ids_S, block_expert_Mb, num_post_padded,
         num_routes, N, Ko, topk, No, c.stride(0), *sw,
         FUSE_ACT=fused, ACTIVATION=activation_code or 0, MUL_WEIGHT=topk_weights_Tk is not None,
         C_SORTED=c_sorted, BLOCK_M=tile.BLOCK_M, BLOCK_N=tile.BLOCK_N, BLOCK_K=tile.BLOCK_K, GROUP_M=tile.GROUP_M,
-        STAGES=ws_stages(tile, fused, a.element_size()), NUM_WARPS=tile.num_warps, num_warps=tile.num_warps,
+        STAGES=ws_stages(tile, fused, a.element_size()), NUM_WARPS=tile.num_warps, PERSISTENT=tile.ws == WS_PERSISTENT,
+        num_warps=tile.num_warps,
     )
     return c
