@@ -15,7 +15,7 @@ from moe_modular.config import Activation, MoEConfig
 from moe_modular.experts.batched_triton_experts import BatchedTritonExperts
 from moe_modular.experts.triton_experts import TritonExperts
 from moe_modular.interfaces import ActivationFormat
-from moe_modular.kernels.moe_gemm import GemmTile
+from moe_modular.kernels.moe_gemm import GemmTile, gpu_has_tma
 from moe_modular.modular_kernel import FusedMoEModularKernel
 from moe_modular.prepare_finalize.batched import BatchedPrepareAndFinalize
 from moe_modular.prepare_finalize.no_ep import MoEPrepareAndFinalizeNoEP
@@ -313,6 +313,31 @@ def test_sorted_rows_through_descriptors_match_oracle(c: Case, a_tma, monkeypatc
     fe.apply(out, prepared.a1q, w1, w2, tw, ti, c.activation, c.E, expert_map, prepared.a1q_scale, qp.a2_scale,
              ws13, ws2, None, False)
     assert len(calls) == (a_tma[0] if not c.quant.is_quantized else 0)
+    ref = _reference(c, qp, x, w1, w2, tw, ti, expert_map)
+    assert torch.isfinite(out).all(), "a row of the output was not written"
+    err = ((out.float() - ref).norm() / ref.norm()).item()
+    assert err <= tolerance(c.dtype, c.quant), f"relative error {err:.3e}"
+
+
+@pytest.mark.skipif(not gpu_has_tma(DEVICE), reason="the warp-specialized Gluon kernel needs a Hopper-class GPU "
+                    "(Triton's interpreter does not run Gluon); elsewhere tile.ws runs the Triton kernel")
+@pytest.mark.parametrize("c", [s for s in SORTED_CASES if not s.quant.is_quantized], ids=_name)
+def test_warp_specialized_gemms_match_oracle(c: Case, monkeypatch):
+    # tile.ws with sorted rows: both GEMMs run the Gluon kernel (counted); workspaces poisoned.
+    from moe_modular.kernels import moe_gemm_ws
+
+    calls = []
+    real = moe_gemm_ws.moe_gemm_ws
+    monkeypatch.setattr(moe_gemm_ws, "moe_gemm_ws", lambda *a, **k: calls.append(1) or real(*a, **k))
+    moe, qp, x, w1, w2, tw, ti, expert_map = make_inputs(c, seed=c.T + 3 * c.E)
+    tile = GemmTile(64, 64, 64, 4, 4, 3, b_tma=1, a_tma=1, ws=1)
+    fe = TritonExperts(moe, qp, tile_config=TileConfig(tile, tile))
+    El, N2 = w1.shape[0], w1.shape[1]
+    prepared = MoEPrepareAndFinalizeNoEP().prepare(x, tw, ti, c.E, expert_map, False, qp)
+    ws13, ws2, out = _poisoned_workspaces(fe, c.T, N2, c.K, c.topk, c.E, El)
+    fe.apply(out, prepared.a1q, w1, w2, tw, ti, c.activation, c.E, expert_map, prepared.a1q_scale, qp.a2_scale,
+             ws13, ws2, None, False)
+    assert len(calls) == 2
     ref = _reference(c, qp, x, w1, w2, tw, ti, expert_map)
     assert torch.isfinite(out).all(), "a row of the output was not written"
     err = ((out.float() - ref).norm() / ref.norm()).item()

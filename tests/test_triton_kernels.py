@@ -518,9 +518,9 @@ WS_COUNTS = [150, 1, 0, 128, 301]
 @pytest.mark.parametrize("activation", [Activation.SILU, Activation.GELU], ids=lambda a: a.value)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("block_m,num_warps", [(128, 8), (64, 4)], ids=["m128w8", "m64w4"])
-@pytest.mark.parametrize("ws", [1, 2], ids=["persistent", "per-tile"])
-def test_moe_gemm_ws_chain_matches_oracle(ws, block_m, num_warps, dtype, activation):
-    # The warp-specialized kernel for both GEMMs (a program per SM, or per tile): tokens sorted (sort_rows), the fused first GEMM writes the
+@pytest.mark.parametrize("gemm1_block_n", [32, 64])
+def test_moe_gemm_ws_chain_matches_oracle(gemm1_block_n, block_m, num_warps, dtype, activation):
+    # The warp-specialized kernel for both GEMMs: tokens sorted (sort_rows), the fused first GEMM writes the
     # intermediate in sorted order, the second reads it there and writes routes times the top-k weights.
     # N and K are not multiples of the tiles (the weight boxes read past an expert's rows and TMA pads K).
     # Unheld routes and padding rows: nothing written (NaN stays).
@@ -535,7 +535,7 @@ def test_moe_gemm_ws_chain_matches_oracle(ws, block_m, num_warps, dtype, activat
     w1 = (torch.randn(El, 2 * N, K, generator=g) / K ** 0.5).to(dtype)
     w2 = (torch.randn(El, K, N, generator=g) / N ** 0.5).to(dtype)
     topk_w = torch.rand(T, k, generator=g)
-    tile = GemmTile(block_m, 64, 64, 4, num_warps, 4, b_tma=1, a_tma=1, ws=ws)
+    tile = GemmTile(block_m, gemm1_block_n, 64, 4, num_warps, 3, b_tma=1, a_tma=1, ws=1)
     sorted_ids, block_expert, num_pp = moe_align(ids.to(DEVICE), tile.BLOCK_M, El, None)
     S = sorted_ids.numel()
     align = dict(sorted_ids_S=sorted_ids, block_expert_Mb=block_expert, num_post_padded=num_pp, num_routes=T * k)
@@ -559,6 +559,21 @@ def test_moe_gemm_ws_chain_matches_oracle(ws, block_m, num_warps, dtype, activat
         ref = moe_gemm_torch(inter[p: p + 1].cpu(), w2[e]) * topk_w.view(-1)[r]
         assert _rel(y[r: r + 1], ref) <= 2 * eps, f"route {r} (expert {e}): output"
     assert inter.cpu()[sid == T * k].isnan().all(), "padding rows were written"
+
+
+@pytest.mark.parametrize("tile,message", [
+    (GemmTile(32, 64, 64, ws=1), r"tile.ws needs BLOCK_M >= 64 .* got BLOCK_M 32, num_warps 4"),
+    (GemmTile(64, 64, 64, num_warps=2, ws=1), r"tile.ws needs .* num_warps in \(4, 8\), got BLOCK_M 64, num_warps 2"),
+    (GemmTile(64, 64, 64, ws=2), r"tile.ws \(2\) must be one of \(0, 1\)"),
+])
+def test_moe_gemm_ws_tile_errors_name_the_field(tile, message):
+    ids = torch.zeros(4, 2, dtype=torch.int32, device=DEVICE)
+    sorted_ids, block_expert, npp = moe_align(ids, tile.BLOCK_M, 2)
+    a = torch.zeros(sorted_ids.numel(), 64, dtype=torch.bfloat16, device=DEVICE)
+    with pytest.raises(ValueError, match=message):
+        moe_gemm(a, torch.zeros(2, 32, 64, dtype=torch.bfloat16, device=DEVICE),
+                 torch.zeros(8, 32, dtype=torch.bfloat16, device=DEVICE), tile, sorted_ids_S=sorted_ids,
+                 block_expert_Mb=block_expert, num_post_padded=npp, num_routes=8, a_sorted=True)
 
 
 @pytest.mark.parametrize("persistent", [1, 2])

@@ -86,8 +86,8 @@ class GemmTile:
     # quantization in the epilogue
     persistent: int = 0  # standard format: 1 launches a program per SM that walks the tiles, 2 also flattens that
     # loop nest (the next tile's loads overlap this tile's epilogue); batched and per-route launches ignore it
-    ws: int = 0  # the warp-specialized Gluon kernel (moe_gemm_ws.py) where it covers the launch (ws_applies): 1 a
-    # program per SM walking the tiles, 2 a program per tile; elsewhere this kernel, same values
+    ws: int = 0  # 1: the warp-specialized Gluon kernel (moe_gemm_ws.py, a program per SM) where it covers the launch
+    # (ws_applies); elsewhere this kernel, same values
 
 
 @triton.jit
@@ -299,9 +299,10 @@ def _gemm_tile(
 
 # GemmTile.persistent: 0 a program per tile, 1 a program per SM walking the tiles, 2 that with the loop nest flattened.
 PERSISTENT_MODES = (0, 1, 2)
-# GemmTile.ws: 0 off (this kernel), 1 the Gluon kernel with a program per SM walking the tiles, 2 a program per tile.
-WS_MODES = (0, 1, 2)
-WS_PERSISTENT = 1
+# GemmTile.ws: 0 this kernel, 1 the warp-specialized Gluon kernel (moe_gemm_ws.py) where ws_applies.
+WS_MODES = (0, 1)
+WS_MIN_BLOCK_M = 64
+WS_WARPS = (4, 8)  # one or two warpgroups
 # Programs of a persistent launch in the interpreter (a few, so each walks several tiles).
 INTERPRETER_PROGRAMS = 3
 
@@ -466,6 +467,9 @@ def moe_gemm(
         raise ValueError(f"tile.persistent ({tile.persistent!r}) must be one of {PERSISTENT_MODES}")
     if tile.ws not in WS_MODES:
         raise ValueError(f"tile.ws ({tile.ws!r}) must be one of {WS_MODES}")
+    if tile.ws and (tile.BLOCK_M < WS_MIN_BLOCK_M or tile.num_warps not in WS_WARPS):
+        raise ValueError(f"tile.ws needs BLOCK_M >= {WS_MIN_BLOCK_M} (a warpgroup's MMA rows) and num_warps in "
+                         f"{WS_WARPS}, got BLOCK_M {tile.BLOCK_M}, num_warps {tile.num_warps}")
     if batched:
         slots = a.shape[1]
         num_pid_m = cdiv(slots, tile.BLOCK_M)

@@ -29,7 +29,6 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from moe_modular.kernels.moe_gemm import WS_PERSISTENT
 
 # Shared memory a program may fill with its stage ring (Hopper: 227 KiB per block; the rest stays for the
 # barriers and the compiler's scratch).
@@ -61,21 +60,10 @@ def _ws_tile_order(tile, num_pid_m, num_pid_n, GROUP_M: gl.constexpr):
 
 
 @gluon.jit
-def _ws_tiles(num_tiles, PERSISTENT: gl.constexpr):
-    """(first, end, step) of this program's tiles: a grid's width apart (persistent), or its own tile only."""
-    first = gl.program_id(0)
-    if PERSISTENT:
-        end = num_tiles
-    else:
-        end = gl.minimum(first + 1, num_tiles)
-    return first, end, gl.num_programs(0)
-
-
-@gluon.jit
-def _ws_loader(a_desc, b_desc, a_bufs, b_bufs, u_bufs, ready, empty, block_expert_ptr, num_post_padded_ptr,
+def _ws_loader(a_desc, b_desc, a_bufs, b_bufs, ready, empty, block_expert_ptr, num_post_padded_ptr,
                N, K, b_rows_per_expert,
                FUSE_ACT: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
-               GROUP_M: gl.constexpr, STAGES: gl.constexpr, PERSISTENT: gl.constexpr):
+               GROUP_M: gl.constexpr, STAGES: gl.constexpr):
     num_blocks = gl.load(num_post_padded_ptr) // BLOCK_M
     num_pid_n = gl.cdiv(N, BLOCK_N)
     k_steps = gl.cdiv(K, BLOCK_K)
@@ -84,8 +72,7 @@ def _ws_loader(a_desc, b_desc, a_bufs, b_bufs, u_bufs, ready, empty, block_exper
     else:
         nbytes: gl.constexpr = a_desc.block_type.nbytes + b_desc.block_type.nbytes
     i = 0
-    first, end, step = _ws_tiles(num_blocks * num_pid_n, PERSISTENT)
-    for tile in range(first, end, step):
+    for tile in range(gl.program_id(0), num_blocks * num_pid_n, gl.num_programs(0)):
         pid_m, pid_n = _ws_tile_order(tile, num_blocks, num_pid_n, GROUP_M)
         expert = gl.load(block_expert_ptr + pid_m)
         b_row = expert * b_rows_per_expert + pid_n * BLOCK_N
@@ -94,56 +81,60 @@ def _ws_loader(a_desc, b_desc, a_bufs, b_bufs, u_bufs, ready, empty, block_exper
             mbarrier.wait(empty.index(s), ((i // STAGES) & 1) ^ 1)  # a fresh barrier passes parity 1
             mbarrier.expect(ready.index(s), nbytes)
             tma.async_copy_global_to_shared(a_desc, [pid_m * BLOCK_M, kk * BLOCK_K], ready.index(s), a_bufs.index(s))
-            tma.async_copy_global_to_shared(b_desc, [b_row, kk * BLOCK_K], ready.index(s), b_bufs.index(s))
-            if FUSE_ACT:
-                tma.async_copy_global_to_shared(b_desc, [b_row + N, kk * BLOCK_K], ready.index(s), u_bufs.index(s))
+            if FUSE_ACT:  # gate rows then up rows in one (2 * BLOCK_N, BLOCK_K) buffer
+                tma.async_copy_global_to_shared(b_desc, [b_row, kk * BLOCK_K], ready.index(s),
+                                                b_bufs.index(s).slice(0, BLOCK_N))
+                tma.async_copy_global_to_shared(b_desc, [b_row + N, kk * BLOCK_K], ready.index(s),
+                                                b_bufs.index(s).slice(BLOCK_N, BLOCK_N))
+            else:
+                tma.async_copy_global_to_shared(b_desc, [b_row, kk * BLOCK_K], ready.index(s), b_bufs.index(s))
             i += 1
 
 
 @gluon.jit
-def _ws_mma_epilogue(a_bufs, b_bufs, u_bufs, ready, empty, c_ptr, topk_weights_ptr, sorted_ids_ptr,
+def _ws_mma_epilogue(a_bufs, b_bufs, ready, empty, c_ptr, topk_weights_ptr, sorted_ids_ptr,
                      block_expert_ptr, num_post_padded_ptr, num_routes, N, K, topk, stride_cm, stride_wt, stride_wk,
                      FUSE_ACT: gl.constexpr, ACTIVATION: gl.constexpr, MUL_WEIGHT: gl.constexpr,
                      C_SORTED: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
                      GROUP_M: gl.constexpr, STAGES: gl.constexpr, NUM_WARPS: gl.constexpr,
-                     PERSISTENT: gl.constexpr):
+                     ):
+    # Fused: one MMA over the gate and up tiles side by side (each A tile read once per K step), the gate
+    # columns then the up columns.
+    ACC_N: gl.constexpr = 2 * BLOCK_N if FUSE_ACT else BLOCK_N
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=_mma_warps(BLOCK_M, NUM_WARPS),
+        instr_shape=[16, _instr_n(ACC_N, NUM_WARPS, BLOCK_M), 16])
+    out_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=_mma_warps(BLOCK_M, NUM_WARPS),
         instr_shape=[16, _instr_n(BLOCK_N, NUM_WARPS, BLOCK_M), 16])
-    rows_layout: gl.constexpr = gl.SliceLayout(1, acc_layout)
-    cols_layout: gl.constexpr = gl.SliceLayout(0, acc_layout)
+    rows_layout: gl.constexpr = gl.SliceLayout(1, out_layout)
+    cols_layout: gl.constexpr = gl.SliceLayout(0, out_layout)
     num_blocks = gl.load(num_post_padded_ptr) // BLOCK_M
     num_pid_n = gl.cdiv(N, BLOCK_N)
     k_steps = gl.cdiv(K, BLOCK_K)
     i = 0
-    first, end, step = _ws_tiles(num_blocks * num_pid_n, PERSISTENT)
-    for tile in range(first, end, step):
+    for tile in range(gl.program_id(0), num_blocks * num_pid_n, gl.num_programs(0)):
         pid_m, pid_n = _ws_tile_order(tile, num_blocks, num_pid_n, GROUP_M)
-        acc = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, acc_layout)
-        acc_up = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, acc_layout)
+        acc = gl.zeros([BLOCK_M, ACC_N], gl.float32, acc_layout)
         for kk in range(k_steps):
             s = i % STAGES
             mbarrier.wait(ready.index(s), (i // STAGES) & 1)
             acc = warpgroup_mma(a_bufs.index(s), b_bufs.index(s).permute((1, 0)), acc, is_async=True)
-            if FUSE_ACT:
-                acc_up = warpgroup_mma(a_bufs.index(s), u_bufs.index(s).permute((1, 0)), acc_up, is_async=True)
-                # this step's two MMAs may still run; the previous step's are done, so its stage is free
-                acc, acc_up = warpgroup_mma_wait(num_outstanding=2, deps=(acc, acc_up))
-            else:
-                acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc, ))
+            # this step's MMA may still run; the previous step's is done, so its stage is free
+            acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc, ))
             mbarrier.arrive(empty.index((i + STAGES - 1) % STAGES), pred=kk > 0)
             i += 1
-        if FUSE_ACT:
-            acc, acc_up = warpgroup_mma_wait(num_outstanding=0, deps=(acc, acc_up))
-        else:
-            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
         mbarrier.arrive(empty.index((i + STAGES - 1) % STAGES))
 
         offs_m = pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=rows_layout)
         sid = gl.load(sorted_ids_ptr + offs_m)
         row_mask = sid < num_routes
         offs_n = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=cols_layout)
-        if FUSE_ACT:  # act(gate) * up, as act_and_mul.gated_act
+        if FUSE_ACT:  # act(gate) * up, as act_and_mul.gated_act; each thread holds its gate and up columns
+            acc, acc_up = gl.split(gl.permute(gl.reshape(acc, [BLOCK_M, 2, BLOCK_N]), (0, 2, 1)))
+            acc = gl.convert_layout(acc, out_layout)
+            acc_up = gl.convert_layout(acc_up, out_layout)
             if ACTIVATION == 0:
                 acc = acc / (1.0 + gl.exp(-acc)) * acc_up
             else:
@@ -167,13 +158,10 @@ def _moe_gemm_ws_kernel(a_desc, b_desc, c_ptr, topk_weights_ptr, sorted_ids_ptr,
                         FUSE_ACT: gl.constexpr, ACTIVATION: gl.constexpr, MUL_WEIGHT: gl.constexpr,
                         C_SORTED: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                         BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
-                        NUM_WARPS: gl.constexpr, PERSISTENT: gl.constexpr):
+                        NUM_WARPS: gl.constexpr):
     a_bufs = gl.allocate_shared_memory(a_desc.dtype, [STAGES, BLOCK_M, BLOCK_K], a_desc.layout)
-    b_bufs = gl.allocate_shared_memory(b_desc.dtype, [STAGES, BLOCK_N, BLOCK_K], b_desc.layout)
-    if FUSE_ACT:
-        u_bufs = gl.allocate_shared_memory(b_desc.dtype, [STAGES, BLOCK_N, BLOCK_K], b_desc.layout)
-    else:
-        u_bufs = b_bufs
+    B_ROWS: gl.constexpr = 2 * BLOCK_N if FUSE_ACT else BLOCK_N
+    b_bufs = gl.allocate_shared_memory(b_desc.dtype, [STAGES, B_ROWS, BLOCK_K], b_desc.layout)
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     for s in gl.static_range(STAGES):
@@ -181,13 +169,13 @@ def _moe_gemm_ws_kernel(a_desc, b_desc, c_ptr, topk_weights_ptr, sorted_ids_ptr,
         mbarrier.init(empty.index(s), count=1)
     fence_async_shared()
     gl.warp_specialize([
-        (_ws_mma_epilogue, (a_bufs, b_bufs, u_bufs, ready, empty, c_ptr, topk_weights_ptr, sorted_ids_ptr,
+        (_ws_mma_epilogue, (a_bufs, b_bufs, ready, empty, c_ptr, topk_weights_ptr, sorted_ids_ptr,
                             block_expert_ptr, num_post_padded_ptr, num_routes, N, K, topk, stride_cm, stride_wt,
                             stride_wk, FUSE_ACT, ACTIVATION, MUL_WEIGHT, C_SORTED, BLOCK_M, BLOCK_N, BLOCK_K,
-                            GROUP_M, STAGES, NUM_WARPS, PERSISTENT)),
-        (_ws_loader, (a_desc, b_desc, a_bufs, b_bufs, u_bufs, ready, empty, block_expert_ptr, num_post_padded_ptr,
+                            GROUP_M, STAGES, NUM_WARPS)),
+        (_ws_loader, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, block_expert_ptr, num_post_padded_ptr,
                       N, K, b_rows_per_expert, FUSE_ACT, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES,
-                      PERSISTENT)),
+                      )),
     ], [1], [LOADER_REGS])
 
 
@@ -221,8 +209,7 @@ def moe_gemm_ws(a: torch.Tensor, b_ENK: torch.Tensor, c: torch.Tensor, tile, *, 
     a (S, Ko) in sorted order; b_ENK (El, No, Ko) contiguous (with activation_code, the gate then the up
     rows: c gets No / 2 columns and tile.BLOCK_N counts c's columns); c (R, No') route rows or, c_sorted,
     (S, No') sorted rows; topk_weights_Tk (T, k) multiplies route rows. tiles: the most tiles there can be
-    (blocks of block_expert_Mb times column blocks); tile.ws 1 launches min(tiles, sms) programs, 2 one per
-    tile (those past the filled blocks return at once)."""
+    (blocks of block_expert_Mb times column blocks); min(tiles, sms) programs."""
     fused = activation_code is not None
     El, No, Ko = b_ENK.shape
     N = No // 2 if fused else No
@@ -230,13 +217,13 @@ def moe_gemm_ws(a: torch.Tensor, b_ENK: torch.Tensor, c: torch.Tensor, tile, *, 
     tw = topk_weights_Tk if topk_weights_Tk is not None else c
     sw = topk_weights_Tk.stride() if topk_weights_Tk is not None else (0, 0)
     topk = topk_weights_Tk.shape[1] if topk_weights_Tk is not None else 1
-    programs = min(tiles, sms) if tile.ws == WS_PERSISTENT else tiles
+    programs = min(tiles, sms)
     _moe_gemm_ws_kernel[(programs,)](
         a_desc, b_desc, c, tw, sorted_ids_S, block_expert_Mb, num_post_padded,
         num_routes, N, Ko, topk, No, c.stride(0), *sw,
         FUSE_ACT=fused, ACTIVATION=activation_code or 0, MUL_WEIGHT=topk_weights_Tk is not None,
         C_SORTED=c_sorted, BLOCK_M=tile.BLOCK_M, BLOCK_N=tile.BLOCK_N, BLOCK_K=tile.BLOCK_K, GROUP_M=tile.GROUP_M,
-        STAGES=ws_stages(tile, fused, a.element_size()), NUM_WARPS=tile.num_warps, PERSISTENT=tile.ws == WS_PERSISTENT,
+        STAGES=ws_stages(tile, fused, a.element_size()), NUM_WARPS=tile.num_warps,
         num_warps=tile.num_warps,
     )
     return c
