@@ -35,6 +35,10 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 WS_SMEM_BYTES = 216 * 1024
 # Registers of the loader warp (it only issues TMA copies).
 LOADER_REGS: gl.constexpr = gl.constexpr(40)
+# The store partition: its warps, registers, and the output rows it moves per step (bounds its registers).
+STORER_WARPS: gl.constexpr = gl.constexpr(2)
+STORER_REGS: gl.constexpr = gl.constexpr(96)
+STORE_ROWS: gl.constexpr = gl.constexpr(32)
 
 
 @gluon.constexpr_function
@@ -48,6 +52,13 @@ def _mma_warps(block_m, num_warps):
 def _instr_n(block_n, num_warps, block_m):
     """The wgmma instruction's N: the columns one warp column covers, at most 256."""
     return min(256, block_n // _mma_warps(block_m, num_warps)[1])
+
+
+@gluon.constexpr_function
+def _store_layout(block_n, num_warps):
+    """Rows of 16-byte vectors: a warp covers min(32, block_n / 8) vectors of a row, warps go down the rows."""
+    per_row = min(32, block_n // 8)
+    return gl.BlockedLayout([1, 8], [32 // per_row, per_row], [num_warps, 1], [1, 0])
 
 
 @gluon.jit
@@ -92,12 +103,30 @@ def _ws_loader(a_desc, b_desc, a_bufs, b_bufs, ready, empty, block_expert_ptr, n
 
 
 @gluon.jit
-def _ws_mma_epilogue(a_bufs, b_bufs, ready, empty, c_ptr, topk_weights_ptr, sorted_ids_ptr,
-                     block_expert_ptr, num_post_padded_ptr, num_routes, N, K, topk, stride_cm, stride_wt, stride_wk,
+def _ws_store_rows(c_smem, c_ptr, sorted_ids_ptr, num_routes, N, stride_cm, pid_m, pid_n, C_SORTED: gl.constexpr,
+                   BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, ROWS: gl.constexpr, WARPS: gl.constexpr):
+    """Store the output tile staged in c_smem, ROWS rows at a time: each warp writes whole row segments to the
+    route (or sorted) rows of the block; padding rows are not written."""
+    layout: gl.constexpr = _store_layout(BLOCK_N, WARPS)
+    offs_n = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, layout))
+    for r in gl.static_range(0, BLOCK_M, ROWS):
+        out = c_smem.slice(r, ROWS).load(layout)
+        offs_m = pid_m * BLOCK_M + r + gl.arange(0, ROWS, layout=gl.SliceLayout(1, layout))
+        sid = gl.load(sorted_ids_ptr + offs_m)
+        if C_SORTED:
+            out_row = offs_m.to(gl.int64)
+        else:
+            out_row = sid.to(gl.int64)
+        gl.store(c_ptr + out_row[:, None] * stride_cm + offs_n[None, :], out,
+                 mask=(sid < num_routes)[:, None] & (offs_n[None, :] < N))
+
+
+@gluon.jit
+def _ws_mma_epilogue(a_bufs, b_bufs, ready, empty, c_smem, c_ready, c_empty, c_ptr, topk_weights_ptr,
+                     sorted_ids_ptr, num_post_padded_ptr, num_routes, N, K, topk, stride_cm, stride_wt, stride_wk,
                      FUSE_ACT: gl.constexpr, ACTIVATION: gl.constexpr, MUL_WEIGHT: gl.constexpr,
                      C_SORTED: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
-                     GROUP_M: gl.constexpr, STAGES: gl.constexpr, NUM_WARPS: gl.constexpr,
-                     ):
+                     GROUP_M: gl.constexpr, STAGES: gl.constexpr, NUM_WARPS: gl.constexpr, STORER: gl.constexpr):
     # Fused: one MMA over the gate and up tiles side by side (each A tile read once per K step), the gate
     # columns then the up columns.
     ACC_N: gl.constexpr = 2 * BLOCK_N if FUSE_ACT else BLOCK_N
@@ -108,11 +137,11 @@ def _ws_mma_epilogue(a_bufs, b_bufs, ready, empty, c_ptr, topk_weights_ptr, sort
         version=[3, 0], warps_per_cta=_mma_warps(BLOCK_M, NUM_WARPS),
         instr_shape=[16, _instr_n(BLOCK_N, NUM_WARPS, BLOCK_M), 16])
     rows_layout: gl.constexpr = gl.SliceLayout(1, out_layout)
-    cols_layout: gl.constexpr = gl.SliceLayout(0, out_layout)
     num_blocks = gl.load(num_post_padded_ptr) // BLOCK_M
     num_pid_n = gl.cdiv(N, BLOCK_N)
     k_steps = gl.cdiv(K, BLOCK_K)
     i = 0
+    t = 0
     for tile in range(gl.program_id(0), num_blocks * num_pid_n, gl.num_programs(0)):
         pid_m, pid_n = _ws_tile_order(tile, num_blocks, num_pid_n, GROUP_M)
         acc = gl.zeros([BLOCK_M, ACC_N], gl.float32, acc_layout)
@@ -127,10 +156,6 @@ def _ws_mma_epilogue(a_bufs, b_bufs, ready, empty, c_ptr, topk_weights_ptr, sort
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
         mbarrier.arrive(empty.index((i + STAGES - 1) % STAGES))
 
-        offs_m = pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=rows_layout)
-        sid = gl.load(sorted_ids_ptr + offs_m)
-        row_mask = sid < num_routes
-        offs_n = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=cols_layout)
         if FUSE_ACT:  # act(gate) * up, as act_and_mul.gated_act; each thread holds its gate and up columns
             acc, acc_up = gl.split(gl.permute(gl.reshape(acc, [BLOCK_M, 2, BLOCK_N]), (0, 2, 1)))
             acc = gl.convert_layout(acc, out_layout)
@@ -140,15 +165,37 @@ def _ws_mma_epilogue(a_bufs, b_bufs, ready, empty, c_ptr, topk_weights_ptr, sort
             else:
                 acc = 0.5 * acc * (1.0 + gl.erf(acc * 0.7071067811865476)) * acc_up
         if MUL_WEIGHT:
-            w = gl.load(topk_weights_ptr + (sid // topk) * stride_wt + (sid % topk) * stride_wk, mask=row_mask,
-                        other=0.0)
+            sid = gl.load(sorted_ids_ptr + pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=rows_layout))
+            w = gl.load(topk_weights_ptr + (sid // topk) * stride_wt + (sid % topk) * stride_wk,
+                        mask=sid < num_routes, other=0.0)
             acc = acc * w.to(gl.float32)[:, None]
-        if C_SORTED:
-            out_row = offs_m.to(gl.int64)
+        out = acc.to(c_ptr.dtype.element_ty)
+        if STORER:  # the store partition writes it out while this one runs the next tile's MMAs
+            mbarrier.wait(c_empty, (t & 1) ^ 1)
+            c_smem.store(out)
+            mbarrier.arrive(c_ready)
         else:
-            out_row = sid.to(gl.int64)
-        c_ptrs = c_ptr + out_row[:, None] * stride_cm + offs_n[None, :]
-        gl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=row_mask[:, None] & (offs_n[None, :] < N))
+            c_smem.store(out)
+            gl.thread_barrier()
+            _ws_store_rows(c_smem, c_ptr, sorted_ids_ptr, num_routes, N, stride_cm, pid_m, pid_n, C_SORTED,
+                           BLOCK_M, BLOCK_N, BLOCK_M, NUM_WARPS)
+            gl.thread_barrier()
+        t += 1
+
+
+@gluon.jit
+def _ws_storer(c_smem, c_ready, c_empty, c_ptr, sorted_ids_ptr, num_post_padded_ptr, num_routes, N, stride_cm,
+               C_SORTED: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, GROUP_M: gl.constexpr):
+    num_blocks = gl.load(num_post_padded_ptr) // BLOCK_M
+    num_pid_n = gl.cdiv(N, BLOCK_N)
+    t = 0
+    for tile in range(gl.program_id(0), num_blocks * num_pid_n, gl.num_programs(0)):
+        pid_m, pid_n = _ws_tile_order(tile, num_blocks, num_pid_n, GROUP_M)
+        mbarrier.wait(c_ready, t & 1)
+        _ws_store_rows(c_smem, c_ptr, sorted_ids_ptr, num_routes, N, stride_cm, pid_m, pid_n, C_SORTED,
+                       BLOCK_M, BLOCK_N, STORE_ROWS, STORER_WARPS)
+        mbarrier.arrive(c_empty)
+        t += 1
 
 
 @gluon.jit
@@ -158,34 +205,52 @@ def _moe_gemm_ws_kernel(a_desc, b_desc, c_ptr, topk_weights_ptr, sorted_ids_ptr,
                         FUSE_ACT: gl.constexpr, ACTIVATION: gl.constexpr, MUL_WEIGHT: gl.constexpr,
                         C_SORTED: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                         BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
-                        NUM_WARPS: gl.constexpr):
+                        NUM_WARPS: gl.constexpr, STORER: gl.constexpr, C_LAYOUT: gl.constexpr):
     a_bufs = gl.allocate_shared_memory(a_desc.dtype, [STAGES, BLOCK_M, BLOCK_K], a_desc.layout)
     B_ROWS: gl.constexpr = 2 * BLOCK_N if FUSE_ACT else BLOCK_N
     b_bufs = gl.allocate_shared_memory(b_desc.dtype, [STAGES, B_ROWS, BLOCK_K], b_desc.layout)
+    c_smem = gl.allocate_shared_memory(c_ptr.dtype.element_ty, [BLOCK_M, BLOCK_N], C_LAYOUT)
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    c_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    c_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     for s in gl.static_range(STAGES):
         mbarrier.init(ready.index(s), count=1)
         mbarrier.init(empty.index(s), count=1)
+    mbarrier.init(c_ready, count=1)
+    mbarrier.init(c_empty, count=1)
     fence_async_shared()
-    gl.warp_specialize([
-        (_ws_mma_epilogue, (a_bufs, b_bufs, ready, empty, c_ptr, topk_weights_ptr, sorted_ids_ptr,
-                            block_expert_ptr, num_post_padded_ptr, num_routes, N, K, topk, stride_cm, stride_wt,
-                            stride_wk, FUSE_ACT, ACTIVATION, MUL_WEIGHT, C_SORTED, BLOCK_M, BLOCK_N, BLOCK_K,
-                            GROUP_M, STAGES, NUM_WARPS)),
-        (_ws_loader, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, block_expert_ptr, num_post_padded_ptr,
-                      N, K, b_rows_per_expert, FUSE_ACT, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES,
-                      )),
-    ], [1], [LOADER_REGS])
+    if STORER:
+        gl.warp_specialize([
+            (_ws_mma_epilogue, (a_bufs, b_bufs, ready, empty, c_smem, c_ready, c_empty, c_ptr, topk_weights_ptr,
+                                sorted_ids_ptr, num_post_padded_ptr, num_routes, N, K, topk, stride_cm, stride_wt,
+                                stride_wk, FUSE_ACT, ACTIVATION, MUL_WEIGHT, C_SORTED, BLOCK_M, BLOCK_N, BLOCK_K,
+                                GROUP_M, STAGES, NUM_WARPS, STORER)),
+            (_ws_loader, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, block_expert_ptr, num_post_padded_ptr, N, K,
+                          b_rows_per_expert, FUSE_ACT, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES)),
+            (_ws_storer, (c_smem, c_ready, c_empty, c_ptr, sorted_ids_ptr, num_post_padded_ptr, num_routes, N,
+                          stride_cm, C_SORTED, BLOCK_M, BLOCK_N, GROUP_M)),
+        ], [1, STORER_WARPS], [LOADER_REGS, STORER_REGS])
+    else:
+        gl.warp_specialize([
+            (_ws_mma_epilogue, (a_bufs, b_bufs, ready, empty, c_smem, c_ready, c_empty, c_ptr, topk_weights_ptr,
+                                sorted_ids_ptr, num_post_padded_ptr, num_routes, N, K, topk, stride_cm, stride_wt,
+                                stride_wk, FUSE_ACT, ACTIVATION, MUL_WEIGHT, C_SORTED, BLOCK_M, BLOCK_N, BLOCK_K,
+                                GROUP_M, STAGES, NUM_WARPS, STORER)),
+            (_ws_loader, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, block_expert_ptr, num_post_padded_ptr, N, K,
+                          b_rows_per_expert, FUSE_ACT, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES)),
+        ], [1], [LOADER_REGS])
 
 
 _GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}
 
 
 def ws_stages(tile, fused: bool, item: int) -> int:
-    """Stages of the ring: tile.num_stages, or fewer where that many would not fit WS_SMEM_BYTES."""
+    """Stages of the ring: tile.num_stages, or fewer where that many would not fit WS_SMEM_BYTES next to the
+    staged output tile."""
     per_stage = (tile.BLOCK_M + tile.BLOCK_N * (2 if fused else 1)) * tile.BLOCK_K * item
-    return max(1, min(tile.num_stages, WS_SMEM_BYTES // per_stage))
+    left = WS_SMEM_BYTES - tile.BLOCK_M * tile.BLOCK_N * item
+    return max(1, min(tile.num_stages, left // per_stage))
 
 
 def ws_descriptors(a: torch.Tensor, b_ENK: torch.Tensor, tile, fused: bool):
@@ -218,12 +283,14 @@ def moe_gemm_ws(a: torch.Tensor, b_ENK: torch.Tensor, c: torch.Tensor, tile, *, 
     sw = topk_weights_Tk.stride() if topk_weights_Tk is not None else (0, 0)
     topk = topk_weights_Tk.shape[1] if topk_weights_Tk is not None else 1
     programs = min(tiles, sms)
+    storer = tile.persistent == 1  # EXPERIMENT: A/B selector, to be removed
     _moe_gemm_ws_kernel[(programs,)](
         a_desc, b_desc, c, tw, sorted_ids_S, block_expert_Mb, num_post_padded,
         num_routes, N, Ko, topk, No, c.stride(0), *sw,
         FUSE_ACT=fused, ACTIVATION=activation_code or 0, MUL_WEIGHT=topk_weights_Tk is not None,
         C_SORTED=c_sorted, BLOCK_M=tile.BLOCK_M, BLOCK_N=tile.BLOCK_N, BLOCK_K=tile.BLOCK_K, GROUP_M=tile.GROUP_M,
-        STAGES=ws_stages(tile, fused, a.element_size()), NUM_WARPS=tile.num_warps,
+        STAGES=ws_stages(tile, fused, a.element_size()), NUM_WARPS=tile.num_warps, STORER=storer,
+        C_LAYOUT=gl.NVMMASharedLayout.get_default_for([tile.BLOCK_M, tile.BLOCK_N], _GL_DTYPES[c.dtype]),
         num_warps=tile.num_warps,
     )
     return c
