@@ -6,12 +6,16 @@ unscaled bf16 / fp16, optionally the gate | up halves of w1 with SiLU / GELU app
 top-k weight multiplied into route rows, C written at the route (or, c_sorted, the sorted) rows.
 
 Schedule: one program per SM walks the tiles of the filled blocks (their count read on the device) in the
-grouped order of moe_gemm. Each program is two partitions that share a ring of STAGES shared-memory
-buffers: a one-warp loader that streams A and B tiles through TMA, and the default partition (the
-launch's warps, one or two warpgroups) that runs the wgmma chain on them and then the epilogue. The
-loader runs ahead into the next tile while the default partition finishes this one, so a tile's
-epilogue overlaps the next tile's loads. Hand-off: `ready[s]` completes when TMA has landed stage s,
-`empty[s]` when the MMAs that read it are done.
+grouped order of moe_gemm. Each program is three partitions:
+- a one-warp loader streams A and B tiles through TMA into a ring of STAGES shared-memory buffers
+  (`ready[s]` completes when stage s has landed, `empty[s]` when the MMAs that read it are done); it
+  runs ahead into the next tile while this one finishes;
+- the default partition (the launch's warps, one or two warpgroups) runs the wgmma chain, then the
+  activation and the top-k weight in registers, and puts the tile, rounded, into shared memory
+  (`c_ready` / `c_empty` hand it over);
+- a store partition (STORER_WARPS warps) writes that tile to the output rows in whole row segments
+  while the default partition already runs the next tile's MMAs.
+Every step of this schedule was measured side by side against the one before it (docs/benchmarks.md).
 """
 from __future__ import annotations
 
@@ -103,30 +107,11 @@ def _ws_loader(a_desc, b_desc, a_bufs, b_bufs, ready, empty, block_expert_ptr, n
 
 
 @gluon.jit
-def _ws_store_rows(c_smem, c_ptr, sorted_ids_ptr, num_routes, N, stride_cm, pid_m, pid_n, C_SORTED: gl.constexpr,
-                   BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, ROWS: gl.constexpr, WARPS: gl.constexpr):
-    """Store the output tile staged in c_smem, ROWS rows at a time: each warp writes whole row segments to the
-    route (or sorted) rows of the block; padding rows are not written."""
-    layout: gl.constexpr = _store_layout(BLOCK_N, WARPS)
-    offs_n = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, layout))
-    for r in gl.static_range(0, BLOCK_M, ROWS):
-        out = c_smem.slice(r, ROWS).load(layout)
-        offs_m = pid_m * BLOCK_M + r + gl.arange(0, ROWS, layout=gl.SliceLayout(1, layout))
-        sid = gl.load(sorted_ids_ptr + offs_m)
-        if C_SORTED:
-            out_row = offs_m.to(gl.int64)
-        else:
-            out_row = sid.to(gl.int64)
-        gl.store(c_ptr + out_row[:, None] * stride_cm + offs_n[None, :], out,
-                 mask=(sid < num_routes)[:, None] & (offs_n[None, :] < N))
-
-
-@gluon.jit
 def _ws_mma_epilogue(a_bufs, b_bufs, ready, empty, c_smem, c_ready, c_empty, c_ptr, topk_weights_ptr,
                      sorted_ids_ptr, num_post_padded_ptr, num_routes, N, K, topk, stride_cm, stride_wt, stride_wk,
                      FUSE_ACT: gl.constexpr, ACTIVATION: gl.constexpr, MUL_WEIGHT: gl.constexpr,
                      C_SORTED: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
-                     GROUP_M: gl.constexpr, STAGES: gl.constexpr, NUM_WARPS: gl.constexpr, STORER: gl.constexpr):
+                     GROUP_M: gl.constexpr, STAGES: gl.constexpr, NUM_WARPS: gl.constexpr):
     # Fused: one MMA over the gate and up tiles side by side (each A tile read once per K step), the gate
     # columns then the up columns.
     ACC_N: gl.constexpr = 2 * BLOCK_N if FUSE_ACT else BLOCK_N
@@ -169,31 +154,36 @@ def _ws_mma_epilogue(a_bufs, b_bufs, ready, empty, c_smem, c_ready, c_empty, c_p
             w = gl.load(topk_weights_ptr + (sid // topk) * stride_wt + (sid % topk) * stride_wk,
                         mask=sid < num_routes, other=0.0)
             acc = acc * w.to(gl.float32)[:, None]
-        out = acc.to(c_ptr.dtype.element_ty)
-        if STORER:  # the store partition writes it out while this one runs the next tile's MMAs
-            mbarrier.wait(c_empty, (t & 1) ^ 1)
-            c_smem.store(out)
-            mbarrier.arrive(c_ready)
-        else:
-            c_smem.store(out)
-            gl.thread_barrier()
-            _ws_store_rows(c_smem, c_ptr, sorted_ids_ptr, num_routes, N, stride_cm, pid_m, pid_n, C_SORTED,
-                           BLOCK_M, BLOCK_N, BLOCK_M, NUM_WARPS)
-            gl.thread_barrier()
+        # hand the tile to the store partition (once it has taken the previous one) and go on to the next
+        mbarrier.wait(c_empty, (t & 1) ^ 1)
+        c_smem.store(acc.to(c_ptr.dtype.element_ty))
+        mbarrier.arrive(c_ready)
         t += 1
 
 
 @gluon.jit
 def _ws_storer(c_smem, c_ready, c_empty, c_ptr, sorted_ids_ptr, num_post_padded_ptr, num_routes, N, stride_cm,
                C_SORTED: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, GROUP_M: gl.constexpr):
+    """Store each output tile staged in c_smem, STORE_ROWS rows at a time: each warp writes whole row segments
+    to the route (or sorted) rows of the block; padding rows are not written."""
+    layout: gl.constexpr = _store_layout(BLOCK_N, STORER_WARPS)
     num_blocks = gl.load(num_post_padded_ptr) // BLOCK_M
     num_pid_n = gl.cdiv(N, BLOCK_N)
     t = 0
     for tile in range(gl.program_id(0), num_blocks * num_pid_n, gl.num_programs(0)):
         pid_m, pid_n = _ws_tile_order(tile, num_blocks, num_pid_n, GROUP_M)
+        offs_n = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, layout))
         mbarrier.wait(c_ready, t & 1)
-        _ws_store_rows(c_smem, c_ptr, sorted_ids_ptr, num_routes, N, stride_cm, pid_m, pid_n, C_SORTED,
-                       BLOCK_M, BLOCK_N, STORE_ROWS, STORER_WARPS)
+        for r in gl.static_range(0, BLOCK_M, STORE_ROWS):
+            out = c_smem.slice(r, STORE_ROWS).load(layout)
+            offs_m = pid_m * BLOCK_M + r + gl.arange(0, STORE_ROWS, layout=gl.SliceLayout(1, layout))
+            sid = gl.load(sorted_ids_ptr + offs_m)
+            if C_SORTED:
+                out_row = offs_m.to(gl.int64)
+            else:
+                out_row = sid.to(gl.int64)
+            gl.store(c_ptr + out_row[:, None] * stride_cm + offs_n[None, :], out,
+                     mask=(sid < num_routes)[:, None] & (offs_n[None, :] < N))
         mbarrier.arrive(c_empty)
         t += 1
 
@@ -205,7 +195,7 @@ def _moe_gemm_ws_kernel(a_desc, b_desc, c_ptr, topk_weights_ptr, sorted_ids_ptr,
                         FUSE_ACT: gl.constexpr, ACTIVATION: gl.constexpr, MUL_WEIGHT: gl.constexpr,
                         C_SORTED: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                         BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
-                        NUM_WARPS: gl.constexpr, STORER: gl.constexpr, C_LAYOUT: gl.constexpr):
+                        NUM_WARPS: gl.constexpr, C_LAYOUT: gl.constexpr):
     a_bufs = gl.allocate_shared_memory(a_desc.dtype, [STAGES, BLOCK_M, BLOCK_K], a_desc.layout)
     B_ROWS: gl.constexpr = 2 * BLOCK_N if FUSE_ACT else BLOCK_N
     b_bufs = gl.allocate_shared_memory(b_desc.dtype, [STAGES, B_ROWS, BLOCK_K], b_desc.layout)
@@ -220,26 +210,16 @@ def _moe_gemm_ws_kernel(a_desc, b_desc, c_ptr, topk_weights_ptr, sorted_ids_ptr,
     mbarrier.init(c_ready, count=1)
     mbarrier.init(c_empty, count=1)
     fence_async_shared()
-    if STORER:
-        gl.warp_specialize([
-            (_ws_mma_epilogue, (a_bufs, b_bufs, ready, empty, c_smem, c_ready, c_empty, c_ptr, topk_weights_ptr,
-                                sorted_ids_ptr, num_post_padded_ptr, num_routes, N, K, topk, stride_cm, stride_wt,
-                                stride_wk, FUSE_ACT, ACTIVATION, MUL_WEIGHT, C_SORTED, BLOCK_M, BLOCK_N, BLOCK_K,
-                                GROUP_M, STAGES, NUM_WARPS, STORER)),
-            (_ws_loader, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, block_expert_ptr, num_post_padded_ptr, N, K,
-                          b_rows_per_expert, FUSE_ACT, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES)),
-            (_ws_storer, (c_smem, c_ready, c_empty, c_ptr, sorted_ids_ptr, num_post_padded_ptr, num_routes, N,
-                          stride_cm, C_SORTED, BLOCK_M, BLOCK_N, GROUP_M)),
-        ], [1, STORER_WARPS], [LOADER_REGS, STORER_REGS])
-    else:
-        gl.warp_specialize([
-            (_ws_mma_epilogue, (a_bufs, b_bufs, ready, empty, c_smem, c_ready, c_empty, c_ptr, topk_weights_ptr,
-                                sorted_ids_ptr, num_post_padded_ptr, num_routes, N, K, topk, stride_cm, stride_wt,
-                                stride_wk, FUSE_ACT, ACTIVATION, MUL_WEIGHT, C_SORTED, BLOCK_M, BLOCK_N, BLOCK_K,
-                                GROUP_M, STAGES, NUM_WARPS, STORER)),
-            (_ws_loader, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, block_expert_ptr, num_post_padded_ptr, N, K,
-                          b_rows_per_expert, FUSE_ACT, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES)),
-        ], [1], [LOADER_REGS])
+    gl.warp_specialize([
+        (_ws_mma_epilogue, (a_bufs, b_bufs, ready, empty, c_smem, c_ready, c_empty, c_ptr, topk_weights_ptr,
+                            sorted_ids_ptr, num_post_padded_ptr, num_routes, N, K, topk, stride_cm, stride_wt,
+                            stride_wk, FUSE_ACT, ACTIVATION, MUL_WEIGHT, C_SORTED, BLOCK_M, BLOCK_N, BLOCK_K,
+                            GROUP_M, STAGES, NUM_WARPS)),
+        (_ws_loader, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, block_expert_ptr, num_post_padded_ptr, N, K,
+                      b_rows_per_expert, FUSE_ACT, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES)),
+        (_ws_storer, (c_smem, c_ready, c_empty, c_ptr, sorted_ids_ptr, num_post_padded_ptr, num_routes, N,
+                      stride_cm, C_SORTED, BLOCK_M, BLOCK_N, GROUP_M)),
+    ], [1, STORER_WARPS], [LOADER_REGS, STORER_REGS])
 
 
 _GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}
@@ -283,13 +263,12 @@ def moe_gemm_ws(a: torch.Tensor, b_ENK: torch.Tensor, c: torch.Tensor, tile, *, 
     sw = topk_weights_Tk.stride() if topk_weights_Tk is not None else (0, 0)
     topk = topk_weights_Tk.shape[1] if topk_weights_Tk is not None else 1
     programs = min(tiles, sms)
-    storer = tile.persistent == 1  # EXPERIMENT: A/B selector, to be removed
     _moe_gemm_ws_kernel[(programs,)](
         a_desc, b_desc, c, tw, sorted_ids_S, block_expert_Mb, num_post_padded,
         num_routes, N, Ko, topk, No, c.stride(0), *sw,
         FUSE_ACT=fused, ACTIVATION=activation_code or 0, MUL_WEIGHT=topk_weights_Tk is not None,
         C_SORTED=c_sorted, BLOCK_M=tile.BLOCK_M, BLOCK_N=tile.BLOCK_N, BLOCK_K=tile.BLOCK_K, GROUP_M=tile.GROUP_M,
-        STAGES=ws_stages(tile, fused, a.element_size()), NUM_WARPS=tile.num_warps, STORER=storer,
+        STAGES=ws_stages(tile, fused, a.element_size()), NUM_WARPS=tile.num_warps,
         C_LAYOUT=gl.NVMMASharedLayout.get_default_for([tile.BLOCK_M, tile.BLOCK_N], _GL_DTYPES[c.dtype]),
         num_warps=tile.num_warps,
     )
