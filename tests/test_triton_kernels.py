@@ -467,6 +467,26 @@ def _routes_with_counts(counts, k, g):
     return ids[torch.randperm(ids.numel(), generator=g)].view(-1, k)
 
 
+def _check_sorted_chain(x, w1, w2, topk_w, ids, sorted_ids, num_pp, inter, y, activation):
+    """The two GEMMs of a sorted chain against the oracle, route by route: the intermediate (sorted rows)
+    against act(x @ w1.T), the output (route rows) against the kernel's intermediate @ w2.T times the top-k
+    weight; unheld routes and padding rows of the intermediate left as NaN."""
+    k = ids.shape[1]
+    y, inter, sid, npp = y.cpu(), inter.cpu(), sorted_ids.cpu(), int(num_pp.cpu())
+    eps = torch.finfo(x.dtype).eps
+    for r in range(ids.numel()):
+        e = int(ids.view(-1)[r])
+        if e < 0:
+            assert y[r].isnan().all()
+            continue
+        p = int((sid[:npp] == r).nonzero())
+        h = act_and_mul_torch(moe_gemm_torch(x[r // k: r // k + 1], w1[e]), activation)
+        assert _rel(inter[p: p + 1], h) <= 2 * eps, f"route {r} (expert {e}): intermediate"
+        ref = moe_gemm_torch(inter[p: p + 1], w2[e]) * topk_w.view(-1)[r]
+        assert _rel(y[r: r + 1], ref) <= 2 * eps, f"route {r} (expert {e}): output"
+    assert inter[sid == ids.numel()].isnan().all(), "padding rows were written"
+
+
 @pytest.mark.parametrize("persistent", [0, 2], ids=["tiles", "persistent"])
 @pytest.mark.parametrize("a_tma", [0, 1], ids=["a-ptr", "a-tma"])
 def test_moe_gemm_sorted_intermediate_chain_matches_oracle(a_tma, persistent):
@@ -492,18 +512,7 @@ def test_moe_gemm_sorted_intermediate_chain_matches_oracle(a_tma, persistent):
              **align)
     y = torch.full((T * k, K), float("nan"), dtype=torch.bfloat16, device=DEVICE)
     moe_gemm(inter, w2.to(DEVICE), y, tile, a_row_div=1, topk_weights_Tk=topk_w.to(DEVICE), a_sorted=True, **align)
-    y, sid, npp = y.cpu(), sorted_ids.cpu(), int(num_pp.cpu())
-    for r in range(T * k):
-        e = int(ids.view(-1)[r])
-        if e < 0:
-            assert y[r].isnan().all()
-            continue
-        p = int((sid[:npp] == r).nonzero())
-        h = act_and_mul_torch(moe_gemm_torch(x[r // k: r // k + 1], w1[e]), Activation.SILU)
-        assert _rel(inter[p: p + 1].cpu(), h) <= 2 * torch.finfo(torch.bfloat16).eps
-        ref = moe_gemm_torch(h.to(torch.bfloat16), w2[e]) * topk_w.view(-1)[r]
-        assert _rel(y[r: r + 1], ref) <= 2 * torch.finfo(torch.bfloat16).eps
-    assert inter.cpu()[sid == T * k].isnan().all(), "padding rows were written"
+    _check_sorted_chain(x, w1, w2, topk_w, ids, sorted_ids, num_pp, inter, y, Activation.SILU)
     with pytest.raises(ValueError, match=rf"a_sorted needs a with sorted_ids_S.numel\(\) \(\d+\) rows, got {T * k}"):
         moe_gemm(inter[: T * k], w2.to(DEVICE), y.to(DEVICE), tile, a_sorted=True, **align)
 
@@ -546,19 +555,7 @@ def test_moe_gemm_ws_chain_matches_oracle(gemm1_block_n, block_m, num_warps, dty
     y = torch.full((T * k, K), float("nan"), dtype=dtype, device=DEVICE)
     moe_gemm(inter, w2.to(DEVICE), y, replace(tile, BLOCK_N=128), a_row_div=1, topk_weights_Tk=topk_w.to(DEVICE),
              a_sorted=True, **align)
-    y, sid, npp = y.cpu(), sorted_ids.cpu(), int(num_pp.cpu())
-    eps = torch.finfo(dtype).eps
-    for r in range(T * k):
-        e = int(ids.view(-1)[r])
-        if e < 0:
-            assert y[r].isnan().all()
-            continue
-        p = int((sid[:npp] == r).nonzero())
-        h = act_and_mul_torch(moe_gemm_torch(x[r // k: r // k + 1], w1[e]), activation)
-        assert _rel(inter[p: p + 1].cpu(), h) <= 2 * eps, f"route {r} (expert {e}): intermediate"
-        ref = moe_gemm_torch(inter[p: p + 1].cpu(), w2[e]) * topk_w.view(-1)[r]
-        assert _rel(y[r: r + 1], ref) <= 2 * eps, f"route {r} (expert {e}): output"
-    assert inter.cpu()[sid == T * k].isnan().all(), "padding rows were written"
+    _check_sorted_chain(x, w1, w2, topk_w, ids, sorted_ids, num_pp, inter, y, activation)
 
 
 @pytest.mark.parametrize("tile,message", [

@@ -344,11 +344,13 @@ def _descriptor(t: torch.Tensor, block: list[int]) -> Optional["TensorDescriptor
 def ws_applies(tile: GemmTile, a: torch.Tensor, b_ENK: torch.Tensor, c: torch.Tensor, *, standard: bool,
                a_sorted: bool, scaled: bool, c_group: int) -> bool:
     """Whether moe_gemm runs `tile` with the warp-specialized kernel: tile.ws on a Hopper-class GPU, the
-    standard format with sorted A, bf16 / fp16 operands without scales, A, B and C rows contiguous and
-    16-byte aligned (TMA boxes of A and B)."""
+    standard format with sorted A, bf16 / fp16 operands and output of one dtype without scales, A, B and C
+    rows contiguous and 16-byte aligned (TMA boxes of A and B)."""
     if not (tile.ws and standard and a_sorted and not scaled and not c_group and gpu_has_tma(a.device)):
         return False
-    if a.dtype not in (torch.bfloat16, torch.float16) or b_ENK.dtype != a.dtype or not b_ENK.is_contiguous():
+    if a.dtype not in (torch.bfloat16, torch.float16) or {b_ENK.dtype, c.dtype} != {a.dtype}:
+        return False
+    if not b_ENK.is_contiguous():
         return False
     boxes = ((a, [tile.BLOCK_M, tile.BLOCK_K]), (b_ENK.view(-1, b_ENK.shape[-1]), [tile.BLOCK_N, tile.BLOCK_K]))
     return c.stride(-1) == 1 and all(_descriptor(t, box) is not None for t, box in boxes)

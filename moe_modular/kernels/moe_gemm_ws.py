@@ -33,6 +33,9 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
+from moe_modular.kernels.act_and_mul import _ACT_SILU
+from moe_modular.kernels.moe_gemm import _tile_order
+
 
 # Shared memory a program may fill with its stage ring (Hopper: 227 KiB per block; the rest stays for the
 # barriers and the compiler's scratch).
@@ -65,13 +68,8 @@ def _store_layout(block_n, num_warps):
     return gl.BlockedLayout([1, 8], [32 // per_row, per_row], [num_warps, 1], [1, 0])
 
 
-@gluon.jit
-def _ws_tile_order(tile, num_pid_m, num_pid_n, GROUP_M: gl.constexpr):
-    """(row block, column block) of tile number `tile`, GROUP_M row blocks per column sweep (moe_gemm's order)."""
-    per_group = GROUP_M * num_pid_n
-    first_m = (tile // per_group) * GROUP_M
-    group_rows = gl.minimum(num_pid_m - first_m, GROUP_M)
-    return first_m + ((tile % per_group) % group_rows), (tile % per_group) // group_rows
+# moe_gemm's tile order, compiled as Gluon (the same Python body).
+_ws_tile_order = gluon.jit(_tile_order.fn)
 
 
 @gluon.jit
@@ -145,7 +143,7 @@ def _ws_mma_epilogue(a_bufs, b_bufs, ready, empty, c_smem, c_ready, c_empty, c_p
             acc, acc_up = gl.split(gl.permute(gl.reshape(acc, [BLOCK_M, 2, BLOCK_N]), (0, 2, 1)))
             acc = gl.convert_layout(acc, out_layout)
             acc_up = gl.convert_layout(acc_up, out_layout)
-            if ACTIVATION == 0:
+            if ACTIVATION == _ACT_SILU:
                 acc = acc / (1.0 + gl.exp(-acc)) * acc_up
             else:
                 acc = 0.5 * acc * (1.0 + gl.erf(acc * 0.7071067811865476)) * acc_up
@@ -233,7 +231,7 @@ def ws_stages(tile, fused: bool, item: int) -> int:
     return max(1, min(tile.num_stages, left // per_stage))
 
 
-def ws_descriptors(a: torch.Tensor, b_ENK: torch.Tensor, tile, fused: bool):
+def ws_descriptors(a: torch.Tensor, b_ENK: torch.Tensor, tile):
     """(A, B) descriptors: A (S, Ko) sorted rows in BLOCK_M x BLOCK_K boxes, B (El, No, Ko) as (El * No, Ko)
     rows in BLOCK_N x BLOCK_K boxes (a box past an expert's rows reads the next expert's, whose columns
     are never stored; past the last expert TMA reads zeros)."""
@@ -256,9 +254,9 @@ def moe_gemm_ws(a: torch.Tensor, b_ENK: torch.Tensor, c: torch.Tensor, tile, *, 
     (S, No') sorted rows; topk_weights_Tk (T, k) multiplies route rows. tiles: the most tiles there can be
     (blocks of block_expert_Mb times column blocks); min(tiles, sms) programs."""
     fused = activation_code is not None
-    El, No, Ko = b_ENK.shape
+    _, No, Ko = b_ENK.shape
     N = No // 2 if fused else No
-    a_desc, b_desc = ws_descriptors(a, b_ENK, tile, fused)
+    a_desc, b_desc = ws_descriptors(a, b_ENK, tile)
     tw = topk_weights_Tk if topk_weights_Tk is not None else c
     sw = topk_weights_Tk.stride() if topk_weights_Tk is not None else (0, 0)
     topk = topk_weights_Tk.shape[1] if topk_weights_Tk is not None else 1
