@@ -17,7 +17,8 @@ dtype, quant scheme name, device name) and maps token-count buckets M to one Til
              b_tma: 1,             # optional: weight tiles through a tensor descriptor (TMA)
              gemm2: {a_tma: 1,     # optional: activation tiles too, where their rows are contiguous
                      persistent: 2}}  # optional: a program per SM walking the tiles (2: loop nest flattened)
-      # ws: 1 (with a_tma: 1): the warp-specialized Hopper kernel (moe_gemm_ws.py) where it covers the launch
+      # ws: 1: the warp-specialized Hopper kernel (moe_gemm_ws.py) where it covers the launch (A sorted with
+      # a_tma: 1, or gathered by the kernel)
 
 For M between buckets the nearest bucket in log2(M) is used. Without a matching table,
 `default_tile_config` picks tiles from the average tokens per expert.

@@ -321,17 +321,21 @@ def test_sorted_rows_through_descriptors_match_oracle(c: Case, a_tma, monkeypatc
 
 @pytest.mark.skipif(not gpu_has_tma(DEVICE), reason="the warp-specialized Gluon kernel needs a Hopper-class GPU "
                     "(Triton's interpreter does not run Gluon); elsewhere tile.ws runs the Triton kernel")
-@pytest.mark.parametrize("c", [s for s in SORTED_CASES if not s.quant.is_quantized], ids=_name)
-def test_warp_specialized_gemms_match_oracle(c: Case, monkeypatch):
-    # tile.ws with sorted rows: both GEMMs run the Gluon kernel (counted); workspaces poisoned.
+@pytest.mark.parametrize("c,a_tma", [(c, (1, 1)) for c in SORTED_CASES if not c.quant.is_quantized] + [
+    (Case(9, 7, 3, K=256, N=64, held=(0, 2, 3, 5, 6)), (0, 1)),
+    (Case(6, 7, 2, K=256, N=64, dtype=torch.float16, activation=Activation.GELU), (0, 0))],
+    ids=lambda v: _name(v) if isinstance(v, Case) else f"a_tma{v}")
+def test_warp_specialized_gemms_match_oracle(c: Case, a_tma, monkeypatch):
+    # tile.ws: both GEMMs run the Gluon kernel (counted), on sorted rows (a_tma 1) or rows the kernel
+    # gathers (a_tma 0; whole K tiles); workspaces poisoned.
     from moe_modular.kernels import moe_gemm_ws
 
     calls = []
     real = moe_gemm_ws.moe_gemm_ws
     monkeypatch.setattr(moe_gemm_ws, "moe_gemm_ws", lambda *a, **k: calls.append(1) or real(*a, **k))
     moe, qp, x, w1, w2, tw, ti, expert_map = make_inputs(c, seed=c.T + 3 * c.E)
-    tile = GemmTile(64, 64, 64, 4, 4, 3, b_tma=1, a_tma=1, ws=1)
-    fe = TritonExperts(moe, qp, tile_config=TileConfig(tile, tile))
+    tile = GemmTile(64, 64, 64, 4, 4, 3, b_tma=1, ws=1)
+    fe = TritonExperts(moe, qp, tile_config=TileConfig(replace(tile, a_tma=a_tma[0]), replace(tile, a_tma=a_tma[1])))
     El, N2 = w1.shape[0], w1.shape[1]
     prepared = MoEPrepareAndFinalizeNoEP().prepare(x, tw, ti, c.E, expert_map, False, qp)
     ws13, ws2, out = _poisoned_workspaces(fe, c.T, N2, c.K, c.topk, c.E, El)

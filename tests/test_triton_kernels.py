@@ -467,10 +467,10 @@ def _routes_with_counts(counts, k, g):
     return ids[torch.randperm(ids.numel(), generator=g)].view(-1, k)
 
 
-def _check_sorted_chain(x, w1, w2, topk_w, ids, sorted_ids, num_pp, inter, y, activation):
-    """The two GEMMs of a sorted chain against the oracle, route by route: the intermediate (sorted rows)
-    against act(x @ w1.T), the output (route rows) against the kernel's intermediate @ w2.T times the top-k
-    weight; unheld routes and padding rows of the intermediate left as NaN."""
+def _check_sorted_chain(x, w1, w2, topk_w, ids, sorted_ids, num_pp, inter, y, activation, inter_sorted=True):
+    """The two GEMMs of a chain against the oracle, route by route: the intermediate (sorted rows, or route
+    rows) against act(x @ w1.T), the output (route rows) against the kernel's intermediate @ w2.T times the
+    top-k weight; unheld routes (and padding rows of a sorted intermediate) left as NaN."""
     k = ids.shape[1]
     y, inter, sid, npp = y.cpu(), inter.cpu(), sorted_ids.cpu(), int(num_pp.cpu())
     eps = torch.finfo(x.dtype).eps
@@ -479,12 +479,13 @@ def _check_sorted_chain(x, w1, w2, topk_w, ids, sorted_ids, num_pp, inter, y, ac
         if e < 0:
             assert y[r].isnan().all()
             continue
-        p = int((sid[:npp] == r).nonzero())
+        p = int((sid[:npp] == r).nonzero()) if inter_sorted else r
         h = act_and_mul_torch(moe_gemm_torch(x[r // k: r // k + 1], w1[e]), activation)
         assert _rel(inter[p: p + 1], h) <= 2 * eps, f"route {r} (expert {e}): intermediate"
         ref = moe_gemm_torch(inter[p: p + 1], w2[e]) * topk_w.view(-1)[r]
         assert _rel(y[r: r + 1], ref) <= 2 * eps, f"route {r} (expert {e}): output"
-    assert inter[sid == ids.numel()].isnan().all(), "padding rows were written"
+    if inter_sorted:
+        assert inter[sid == ids.numel()].isnan().all(), "padding rows were written"
 
 
 @pytest.mark.parametrize("persistent", [0, 2], ids=["tiles", "persistent"])
@@ -528,14 +529,21 @@ WS_COUNTS = [150, 1, 0, 128, 301]
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("block_m,num_warps", [(128, 8), (64, 4)], ids=["m128w8", "m64w4"])
 @pytest.mark.parametrize("gemm1_block_n", [32, 64])
-def test_moe_gemm_ws_chain_matches_oracle(gemm1_block_n, block_m, num_warps, dtype, activation):
-    # The warp-specialized kernel for both GEMMs: tokens sorted (sort_rows), the fused first GEMM writes the
-    # intermediate in sorted order, the second reads it there and writes routes times the top-k weights.
-    # N and K are not multiples of the tiles (the weight boxes read past an expert's rows and TMA pads K).
-    # Unheld routes and padding rows: nothing written (NaN stays).
+@pytest.mark.parametrize("gather", [False, True], ids=["sorted", "gathered"])
+def test_moe_gemm_ws_chain_matches_oracle(gather, gemm1_block_n, block_m, num_warps, dtype, activation, monkeypatch):
+    # The warp-specialized kernel for both GEMMs (counted), with A in sorted order or gathered by the kernel.
+    # Sorted: tokens sorted (sort_rows), the fused first GEMM writes the intermediate in sorted order, the
+    # second reads it there; N and K are not multiples of the tiles (the weight boxes read past an expert's
+    # rows and TMA pads K). Gathered (whole K tiles): the first GEMM reads token rows, the second route
+    # rows of an intermediate in route order. Both write routes times the top-k weights. Unheld routes and
+    # padding rows: nothing written (NaN stays).
+    from moe_modular.kernels import moe_gemm_ws
     from moe_modular.kernels.sort_rows import sort_rows
 
-    k, El, K, N = 2, len(WS_COUNTS), 200, 136
+    calls = []
+    real = moe_gemm_ws.moe_gemm_ws
+    monkeypatch.setattr(moe_gemm_ws, "moe_gemm_ws", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    k, El, K, N = (2, len(WS_COUNTS), 256, 128) if gather else (2, len(WS_COUNTS), 200, 136)
     g = _gen(83)
     ids = _routes_with_counts(WS_COUNTS, k, g)
     ids[3, 1] = -1
@@ -548,14 +556,19 @@ def test_moe_gemm_ws_chain_matches_oracle(gemm1_block_n, block_m, num_warps, dty
     sorted_ids, block_expert, num_pp = moe_align(ids.to(DEVICE), tile.BLOCK_M, El, None)
     S = sorted_ids.numel()
     align = dict(sorted_ids_S=sorted_ids, block_expert_Mb=block_expert, num_post_padded=num_pp, num_routes=T * k)
-    xs = sort_rows(x.to(DEVICE), sorted_ids, num_pp, k, torch.full((S, K), float("nan"), dtype=dtype, device=DEVICE))
-    inter = torch.full((S, N), float("nan"), dtype=dtype, device=DEVICE)
-    moe_gemm(xs, w1.to(DEVICE), inter, tile, a_row_div=k, fuse_activation=activation, a_sorted=True, c_sorted=True,
-             **align)
+    if gather:
+        xs = x.to(DEVICE)
+    else:
+        xs = sort_rows(x.to(DEVICE), sorted_ids, num_pp, k, torch.full((S, K), float("nan"), dtype=dtype,
+                                                                         device=DEVICE))
+    inter = torch.full((T * k if gather else S, N), float("nan"), dtype=dtype, device=DEVICE)
+    moe_gemm(xs, w1.to(DEVICE), inter, tile, a_row_div=k, fuse_activation=activation, a_sorted=not gather,
+             c_sorted=not gather, **align)
     y = torch.full((T * k, K), float("nan"), dtype=dtype, device=DEVICE)
     moe_gemm(inter, w2.to(DEVICE), y, replace(tile, BLOCK_N=128), a_row_div=1, topk_weights_Tk=topk_w.to(DEVICE),
-             a_sorted=True, **align)
-    _check_sorted_chain(x, w1, w2, topk_w, ids, sorted_ids, num_pp, inter, y, activation)
+             a_sorted=not gather, **align)
+    assert len(calls) == 2, "a GEMM ran the Triton kernel"
+    _check_sorted_chain(x, w1, w2, topk_w, ids, sorted_ids, num_pp, inter, y, activation, inter_sorted=not gather)
 
 
 @pytest.mark.parametrize("tile,message", [

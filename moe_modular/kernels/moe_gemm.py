@@ -344,16 +344,22 @@ def _descriptor(t: torch.Tensor, block: list[int]) -> Optional["TensorDescriptor
 def ws_applies(tile: GemmTile, a: torch.Tensor, b_ENK: torch.Tensor, c: torch.Tensor, *, standard: bool,
                a_sorted: bool, scaled: bool, c_group: int) -> bool:
     """Whether moe_gemm runs `tile` with the warp-specialized kernel: tile.ws on a Hopper-class GPU, the
-    standard format with sorted A, bf16 / fp16 operands and output of one dtype without scales, A, B and C
-    rows contiguous and 16-byte aligned (TMA boxes of A and B)."""
-    if not (tile.ws and standard and a_sorted and not scaled and not c_group and gpu_has_tma(a.device)):
+    standard format, bf16 / fp16 operands and output of one dtype without scales, B and C rows contiguous,
+    B 16-byte aligned (TMA boxes); A sorted (TMA boxes) or, gathered by the kernel, in whole K tiles with
+    16-byte aligned rows."""
+    if not (tile.ws and standard and not scaled and not c_group and gpu_has_tma(a.device)):
         return False
     if a.dtype not in (torch.bfloat16, torch.float16) or {b_ENK.dtype, c.dtype} != {a.dtype}:
         return False
-    if not b_ENK.is_contiguous():
+    if not b_ENK.is_contiguous() or c.stride(-1) != 1:
         return False
-    boxes = ((a, [tile.BLOCK_M, tile.BLOCK_K]), (b_ENK.view(-1, b_ENK.shape[-1]), [tile.BLOCK_N, tile.BLOCK_K]))
-    return c.stride(-1) == 1 and all(_descriptor(t, box) is not None for t, box in boxes)
+    if _descriptor(b_ENK.view(-1, b_ENK.shape[-1]), [tile.BLOCK_N, tile.BLOCK_K]) is None:
+        return False
+    if a_sorted:
+        return _descriptor(a, [tile.BLOCK_M, tile.BLOCK_K]) is not None
+    item = a.element_size()
+    return (a.shape[-1] % tile.BLOCK_K == 0 and a.stride(-1) == 1 and (a.stride(0) * item) % 16 == 0
+            and a.data_ptr() % 16 == 0)
 
 
 def _a_scale_strides(scale: Optional[torch.Tensor], mode: AScale, batched: bool) -> tuple[int, int, int]:
@@ -413,8 +419,9 @@ def moe_gemm(
       with a_sorted or batched, whose block rows are contiguous); elsewhere pointers, same values.
     tile.persistent (standard format): min(tiles, SMs) programs walk the tiles of the filled blocks
       (1), with the loop nest flattened (2); same values, only the schedule differs.
-    tile.ws: the warp-specialized Hopper kernel of moe_gemm_ws.py where ws_applies (a_sorted, 16-bit
-      operands without scales, a Hopper-class GPU); elsewhere this kernel, same values.
+    tile.ws: the warp-specialized Hopper kernel of moe_gemm_ws.py where ws_applies (standard format, 16-bit
+      operands without scales, a Hopper-class GPU; A sorted, or gathered by the kernel in whole K tiles);
+      elsewhere this kernel, same values.
     """
     batched = expert_num_tokens_El is not None
     per_route = topk_ids_Tk is not None
@@ -493,7 +500,8 @@ def moe_gemm(
 
         return moe_gemm_ws(a, b_ENK, c, tile, sorted_ids_S=sorted_ids_S, block_expert_Mb=block_expert_Mb,
                            num_post_padded=num_post_padded, num_routes=num_routes, tiles=grid[0],
-                           sms=resident_programs(a.device), topk_weights_Tk=topk_weights_Tk,
+                           sms=resident_programs(a.device), a_sorted=a_sorted, a_row_div=a_row_div,
+                           topk_weights_Tk=topk_weights_Tk,
                            activation_code=None if fuse_activation is None else _ACT_CODE[fuse_activation],
                            c_sorted=c_sorted)
     persistent = tile.persistent if sorted_ids_S is not None else 0

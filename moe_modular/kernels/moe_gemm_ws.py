@@ -1,15 +1,17 @@
-"""Warp-specialized grouped expert GEMM for Hopper, in Gluon (standard format, sorted A, 16-bit operands).
+"""Warp-specialized grouped expert GEMM for Hopper, in Gluon (standard format, 16-bit operands).
 
-The same product as moe_gemm's Triton kernel for one case: A rows in sorted order (a_sorted: block b of
-BLOCK_M rows belongs to expert block_expert_Mb[b], rows of padding entries hold anything), B (El, No, Ko)
+The same product as moe_gemm's Triton kernel for one case, the standard format (block b of BLOCK_M entries
+of sorted_ids_S belongs to expert block_expert_Mb[b]): A rows in sorted order (a_sorted; rows of padding
+entries hold anything) or gathered by the kernel (entry s reads row s // a_row_div), B (El, No, Ko)
 unscaled bf16 / fp16, optionally the gate | up halves of w1 with SiLU / GELU applied in the epilogue, the
 top-k weight multiplied into route rows, C written at the route (or, c_sorted, the sorted) rows.
 
 Schedule: one program per SM walks the tiles of the filled blocks (their count read on the device) in the
 grouped order of moe_gemm. Each program is three partitions:
-- a one-warp loader streams A and B tiles through TMA into a ring of STAGES shared-memory buffers
-  (`ready[s]` completes when stage s has landed, `empty[s]` when the MMAs that read it are done); it
-  runs ahead into the next tile while this one finishes;
+- a loader streams A and B tiles into a ring of STAGES shared-memory buffers (`ready[s]` completes when
+  stage s has landed, `empty[s]` when the MMAs that read it are done) and runs ahead into the next tile
+  while this one finishes: one warp issuing TMA copies, or GATHER_WARPS warps that also copy the block's
+  A rows with cp.async (each thread's copies counted into `ready[s]`);
 - the default partition (the launch's warps, one or two warpgroups) runs the wgmma chain, then the
   activation and the top-k weight in registers, and puts the tile, rounded, into shared memory
   (`c_ready` / `c_empty` hand it over);
@@ -25,6 +27,7 @@ import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
+    async_copy,
     fence_async_shared,
     mbarrier,
     tma,
@@ -42,6 +45,9 @@ from moe_modular.kernels.moe_gemm import _tile_order
 WS_SMEM_BYTES = 216 * 1024
 # Registers of the loader warp (it only issues TMA copies).
 LOADER_REGS: gl.constexpr = gl.constexpr(40)
+# The loader when it gathers A's rows itself (cp.async, a 16-byte vector per copy): its warps and registers.
+GATHER_WARPS: gl.constexpr = gl.constexpr(2)
+GATHER_REGS: gl.constexpr = gl.constexpr(88)
 # The store partition: its warps, registers, and the output rows it moves per step (bounds its registers).
 STORER_WARPS: gl.constexpr = gl.constexpr(2)
 STORER_REGS: gl.constexpr = gl.constexpr(96)
@@ -73,27 +79,41 @@ _ws_tile_order = gluon.jit(_tile_order.fn)
 
 
 @gluon.jit
-def _ws_loader(a_desc, b_desc, a_bufs, b_bufs, ready, empty, block_expert_ptr, num_post_padded_ptr,
-               N, K, b_rows_per_expert,
-               FUSE_ACT: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
-               GROUP_M: gl.constexpr, STAGES: gl.constexpr):
+def _ws_loader(a_desc, a_ptr, stride_am, b_desc, a_bufs, b_bufs, ready, empty, sorted_ids_ptr, block_expert_ptr,
+               num_post_padded_ptr, num_routes, N, K, b_rows_per_expert,
+               FUSE_ACT: gl.constexpr, A_GATHER: gl.constexpr, A_ROW_DIV: gl.constexpr, BLOCK_M: gl.constexpr,
+               BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr):
     num_blocks = gl.load(num_post_padded_ptr) // BLOCK_M
     num_pid_n = gl.cdiv(N, BLOCK_N)
     k_steps = gl.cdiv(K, BLOCK_K)
-    if FUSE_ACT:
-        nbytes: gl.constexpr = a_desc.block_type.nbytes + 2 * b_desc.block_type.nbytes
-    else:
-        nbytes: gl.constexpr = a_desc.block_type.nbytes + b_desc.block_type.nbytes
+    # bytes TMA brings per stage: the B tile (gate and up when fused), and A's unless gathered
+    b_bytes: gl.constexpr = (2 if FUSE_ACT else 1) * b_desc.block_type.nbytes
+    nbytes: gl.constexpr = b_bytes if A_GATHER else b_bytes + BLOCK_M * BLOCK_K * b_desc.dtype.primitive_bitwidth // 8
+    gather_layout: gl.constexpr = _store_layout(BLOCK_K, gl.num_warps())  # this partition's warps
+    offs_k = gl.arange(0, BLOCK_K, layout=gl.SliceLayout(0, gather_layout))  # whole K tiles (ws_applies)
     i = 0
     for tile in range(gl.program_id(0), num_blocks * num_pid_n, gl.num_programs(0)):
         pid_m, pid_n = _ws_tile_order(tile, num_blocks, num_pid_n, GROUP_M)
         expert = gl.load(block_expert_ptr + pid_m)
         b_row = expert * b_rows_per_expert + pid_n * BLOCK_N
+        if A_GATHER:  # the block's A rows: route sid reads row sid // A_ROW_DIV; padding entries read zeros
+            sid = gl.load(sorted_ids_ptr + pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, gather_layout)))
+            # rows start 16-byte aligned (ws_applies), so each thread copies whole 8-element vectors
+            a_rows = a_ptr + gl.multiple_of((sid // A_ROW_DIV).to(gl.int64)[:, None] * stride_am, [1, 8]) + offs_k[None, :]
+            row_ok = (sid < num_routes)[:, None]
         for kk in range(k_steps):
             s = i % STAGES
             mbarrier.wait(empty.index(s), ((i // STAGES) & 1) ^ 1)  # a fresh barrier passes parity 1
+            if A_GATHER:
+                async_copy.async_copy_global_to_shared(a_bufs.index(s), a_rows + kk * BLOCK_K, mask=row_ok)
+                # ready[s] also waits for this thread's copies; every thread counts itself in before the
+                # expect below can complete the phase
+                async_copy.mbarrier_arrive(ready.index(s))
+                gl.thread_barrier()
             mbarrier.expect(ready.index(s), nbytes)
-            tma.async_copy_global_to_shared(a_desc, [pid_m * BLOCK_M, kk * BLOCK_K], ready.index(s), a_bufs.index(s))
+            if not A_GATHER:
+                tma.async_copy_global_to_shared(a_desc, [pid_m * BLOCK_M, kk * BLOCK_K], ready.index(s),
+                                                a_bufs.index(s))
             if FUSE_ACT:  # gate rows then up rows in one (2 * BLOCK_N, BLOCK_K) buffer
                 tma.async_copy_global_to_shared(b_desc, [b_row, kk * BLOCK_K], ready.index(s),
                                                 b_bufs.index(s).slice(0, BLOCK_N))
@@ -109,7 +129,8 @@ def _ws_mma_epilogue(a_bufs, b_bufs, ready, empty, c_smem, c_ready, c_empty, c_p
                      sorted_ids_ptr, num_post_padded_ptr, num_routes, N, K, topk, stride_cm, stride_wt, stride_wk,
                      FUSE_ACT: gl.constexpr, ACTIVATION: gl.constexpr, MUL_WEIGHT: gl.constexpr,
                      C_SORTED: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
-                     GROUP_M: gl.constexpr, STAGES: gl.constexpr, NUM_WARPS: gl.constexpr):
+                     GROUP_M: gl.constexpr, STAGES: gl.constexpr, NUM_WARPS: gl.constexpr,
+                     A_GATHER: gl.constexpr):
     # Fused: one MMA over the gate and up tiles side by side (each A tile read once per K step), the gate
     # columns then the up columns.
     ACC_N: gl.constexpr = 2 * BLOCK_N if FUSE_ACT else BLOCK_N
@@ -131,6 +152,8 @@ def _ws_mma_epilogue(a_bufs, b_bufs, ready, empty, c_smem, c_ready, c_empty, c_p
         for kk in range(k_steps):
             s = i % STAGES
             mbarrier.wait(ready.index(s), (i // STAGES) & 1)
+            if A_GATHER:  # the A tile was written by cp.async (generic proxy); wgmma reads through the async one
+                fence_async_shared()
             acc = warpgroup_mma(a_bufs.index(s), b_bufs.index(s).permute((1, 0)), acc, is_async=True)
             # this step's MMA may still run; the previous step's is done, so its stage is free
             acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc, ))
@@ -187,14 +210,15 @@ def _ws_storer(c_smem, c_ready, c_empty, c_ptr, sorted_ids_ptr, num_post_padded_
 
 
 @gluon.jit
-def _moe_gemm_ws_kernel(a_desc, b_desc, c_ptr, topk_weights_ptr, sorted_ids_ptr, block_expert_ptr,
+def _moe_gemm_ws_kernel(a_desc, a_ptr, stride_am, b_desc, c_ptr, topk_weights_ptr, sorted_ids_ptr, block_expert_ptr,
                         num_post_padded_ptr, num_routes, N, K, topk, b_rows_per_expert, stride_cm, stride_wt,
                         stride_wk,
                         FUSE_ACT: gl.constexpr, ACTIVATION: gl.constexpr, MUL_WEIGHT: gl.constexpr,
-                        C_SORTED: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                        BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
-                        NUM_WARPS: gl.constexpr, C_LAYOUT: gl.constexpr):
-    a_bufs = gl.allocate_shared_memory(a_desc.dtype, [STAGES, BLOCK_M, BLOCK_K], a_desc.layout)
+                        C_SORTED: gl.constexpr, A_GATHER: gl.constexpr, A_ROW_DIV: gl.constexpr,
+                        BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr,
+                        STAGES: gl.constexpr, NUM_WARPS: gl.constexpr, A_LAYOUT: gl.constexpr,
+                        C_LAYOUT: gl.constexpr):
+    a_bufs = gl.allocate_shared_memory(b_desc.dtype, [STAGES, BLOCK_M, BLOCK_K], A_LAYOUT)
     B_ROWS: gl.constexpr = 2 * BLOCK_N if FUSE_ACT else BLOCK_N
     b_bufs = gl.allocate_shared_memory(b_desc.dtype, [STAGES, B_ROWS, BLOCK_K], b_desc.layout)
     c_smem = gl.allocate_shared_memory(c_ptr.dtype.element_ty, [BLOCK_M, BLOCK_N], C_LAYOUT)
@@ -208,16 +232,30 @@ def _moe_gemm_ws_kernel(a_desc, b_desc, c_ptr, topk_weights_ptr, sorted_ids_ptr,
     mbarrier.init(c_ready, count=1)
     mbarrier.init(c_empty, count=1)
     fence_async_shared()
-    gl.warp_specialize([
-        (_ws_mma_epilogue, (a_bufs, b_bufs, ready, empty, c_smem, c_ready, c_empty, c_ptr, topk_weights_ptr,
-                            sorted_ids_ptr, num_post_padded_ptr, num_routes, N, K, topk, stride_cm, stride_wt,
-                            stride_wk, FUSE_ACT, ACTIVATION, MUL_WEIGHT, C_SORTED, BLOCK_M, BLOCK_N, BLOCK_K,
-                            GROUP_M, STAGES, NUM_WARPS)),
-        (_ws_loader, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, block_expert_ptr, num_post_padded_ptr, N, K,
-                      b_rows_per_expert, FUSE_ACT, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES)),
-        (_ws_storer, (c_smem, c_ready, c_empty, c_ptr, sorted_ids_ptr, num_post_padded_ptr, num_routes, N,
-                      stride_cm, C_SORTED, BLOCK_M, BLOCK_N, GROUP_M)),
-    ], [1, STORER_WARPS], [LOADER_REGS, STORER_REGS])
+    if A_GATHER:
+        gl.warp_specialize([
+            (_ws_mma_epilogue, (a_bufs, b_bufs, ready, empty, c_smem, c_ready, c_empty, c_ptr, topk_weights_ptr,
+                                sorted_ids_ptr, num_post_padded_ptr, num_routes, N, K, topk, stride_cm, stride_wt,
+                                stride_wk, FUSE_ACT, ACTIVATION, MUL_WEIGHT, C_SORTED, BLOCK_M, BLOCK_N, BLOCK_K,
+                                GROUP_M, STAGES, NUM_WARPS, A_GATHER)),
+            (_ws_loader, (a_desc, a_ptr, stride_am, b_desc, a_bufs, b_bufs, ready, empty, sorted_ids_ptr,
+                          block_expert_ptr, num_post_padded_ptr, num_routes, N, K, b_rows_per_expert, FUSE_ACT,
+                          A_GATHER, A_ROW_DIV, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES)),
+            (_ws_storer, (c_smem, c_ready, c_empty, c_ptr, sorted_ids_ptr, num_post_padded_ptr, num_routes, N,
+                          stride_cm, C_SORTED, BLOCK_M, BLOCK_N, GROUP_M)),
+        ], [GATHER_WARPS, STORER_WARPS], [GATHER_REGS, STORER_REGS])
+    else:
+        gl.warp_specialize([
+            (_ws_mma_epilogue, (a_bufs, b_bufs, ready, empty, c_smem, c_ready, c_empty, c_ptr, topk_weights_ptr,
+                                sorted_ids_ptr, num_post_padded_ptr, num_routes, N, K, topk, stride_cm, stride_wt,
+                                stride_wk, FUSE_ACT, ACTIVATION, MUL_WEIGHT, C_SORTED, BLOCK_M, BLOCK_N, BLOCK_K,
+                                GROUP_M, STAGES, NUM_WARPS, A_GATHER)),
+            (_ws_loader, (a_desc, a_ptr, stride_am, b_desc, a_bufs, b_bufs, ready, empty, sorted_ids_ptr,
+                          block_expert_ptr, num_post_padded_ptr, num_routes, N, K, b_rows_per_expert, FUSE_ACT,
+                          A_GATHER, A_ROW_DIV, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES)),
+            (_ws_storer, (c_smem, c_ready, c_empty, c_ptr, sorted_ids_ptr, num_post_padded_ptr, num_routes, N,
+                          stride_cm, C_SORTED, BLOCK_M, BLOCK_N, GROUP_M)),
+        ], [1, STORER_WARPS], [LOADER_REGS, STORER_REGS])
 
 
 _GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}
@@ -231,42 +269,50 @@ def ws_stages(tile, fused: bool, item: int) -> int:
     return max(1, min(tile.num_stages, left // per_stage))
 
 
-def ws_descriptors(a: torch.Tensor, b_ENK: torch.Tensor, tile):
-    """(A, B) descriptors: A (S, Ko) sorted rows in BLOCK_M x BLOCK_K boxes, B (El, No, Ko) as (El * No, Ko)
-    rows in BLOCK_N x BLOCK_K boxes (a box past an expert's rows reads the next expert's, whose columns
-    are never stored; past the last expert TMA reads zeros)."""
+def ws_descriptors(a: torch.Tensor, b_ENK: torch.Tensor, tile, a_sorted: bool):
+    """(A, B) descriptors: A (S, Ko) sorted rows in BLOCK_M x BLOCK_K boxes (None unless a_sorted: the loader
+    gathers A's rows itself), B (El, No, Ko) as (El * No, Ko) rows in BLOCK_N x BLOCK_K boxes (a box past an
+    expert's rows reads the next expert's, whose columns are never stored; past the last expert TMA reads
+    zeros)."""
     dt = _GL_DTYPES[a.dtype]
-    a_layout = gl.NVMMASharedLayout.get_default_for([tile.BLOCK_M, tile.BLOCK_K], dt)
     b_layout = gl.NVMMASharedLayout.get_default_for([tile.BLOCK_N, tile.BLOCK_K], dt)
     b2 = b_ENK.view(-1, b_ENK.shape[-1])
-    return (TensorDescriptor(a, list(a.shape), list(a.stride()), [tile.BLOCK_M, tile.BLOCK_K], a_layout),
-            TensorDescriptor(b2, list(b2.shape), list(b2.stride()), [tile.BLOCK_N, tile.BLOCK_K], b_layout))
+    b_desc = TensorDescriptor(b2, list(b2.shape), list(b2.stride()), [tile.BLOCK_N, tile.BLOCK_K], b_layout)
+    if not a_sorted:
+        return None, b_desc
+    return TensorDescriptor(a, list(a.shape), list(a.stride()), [tile.BLOCK_M, tile.BLOCK_K], a_smem_layout(tile, a.dtype)), b_desc
+
+
+def a_smem_layout(tile, dtype: torch.dtype):
+    """Shared layout of the A stages (the wgmma operand layout; TMA and cp.async write it alike)."""
+    return gl.NVMMASharedLayout.get_default_for([tile.BLOCK_M, tile.BLOCK_K], _GL_DTYPES[dtype])
 
 
 def moe_gemm_ws(a: torch.Tensor, b_ENK: torch.Tensor, c: torch.Tensor, tile, *, sorted_ids_S: torch.Tensor,
                 block_expert_Mb: torch.Tensor, num_post_padded: torch.Tensor, num_routes: int, tiles: int, sms: int,
-                topk_weights_Tk: Optional[torch.Tensor] = None, activation_code: Optional[int] = None,
-                c_sorted: bool = False) -> torch.Tensor:
+                a_sorted: bool = True, a_row_div: int = 1, topk_weights_Tk: Optional[torch.Tensor] = None,
+                activation_code: Optional[int] = None, c_sorted: bool = False) -> torch.Tensor:
     """Launch the warp-specialized GEMM (moe_gemm checks the case and routes here); returns c.
 
-    a (S, Ko) in sorted order; b_ENK (El, No, Ko) contiguous (with activation_code, the gate then the up
-    rows: c gets No / 2 columns and tile.BLOCK_N counts c's columns); c (R, No') route rows or, c_sorted,
-    (S, No') sorted rows; topk_weights_Tk (T, k) multiplies route rows. tiles: the most tiles there can be
-    (blocks of block_expert_Mb times column blocks); min(tiles, sms) programs."""
+    a (S, Ko) in sorted order (a_sorted, through TMA), or rows the loader gathers itself: entry s of
+    sorted_ids_S reads row s // a_row_div; b_ENK (El, No, Ko) contiguous (with activation_code, the gate
+    then the up rows: c gets No / 2 columns and tile.BLOCK_N counts c's columns); c (R, No') route rows or,
+    c_sorted, (S, No') sorted rows; topk_weights_Tk (T, k) multiplies route rows. tiles: the most tiles
+    there can be (blocks of block_expert_Mb times column blocks); min(tiles, sms) programs."""
     fused = activation_code is not None
     _, No, Ko = b_ENK.shape
     N = No // 2 if fused else No
-    a_desc, b_desc = ws_descriptors(a, b_ENK, tile)
+    a_desc, b_desc = ws_descriptors(a, b_ENK, tile, a_sorted)
     tw = topk_weights_Tk if topk_weights_Tk is not None else c
     sw = topk_weights_Tk.stride() if topk_weights_Tk is not None else (0, 0)
     topk = topk_weights_Tk.shape[1] if topk_weights_Tk is not None else 1
-    programs = min(tiles, sms)
-    _moe_gemm_ws_kernel[(programs,)](
-        a_desc, b_desc, c, tw, sorted_ids_S, block_expert_Mb, num_post_padded,
-        num_routes, N, Ko, topk, No, c.stride(0), *sw,
+    _moe_gemm_ws_kernel[(min(tiles, sms),)](
+        a_desc if a_sorted else b_desc, a, a.stride(0), b_desc, c, tw, sorted_ids_S, block_expert_Mb,
+        num_post_padded, num_routes, N, Ko, topk, No, c.stride(0), *sw,
         FUSE_ACT=fused, ACTIVATION=activation_code or 0, MUL_WEIGHT=topk_weights_Tk is not None,
-        C_SORTED=c_sorted, BLOCK_M=tile.BLOCK_M, BLOCK_N=tile.BLOCK_N, BLOCK_K=tile.BLOCK_K, GROUP_M=tile.GROUP_M,
-        STAGES=ws_stages(tile, fused, a.element_size()), NUM_WARPS=tile.num_warps,
+        C_SORTED=c_sorted, A_GATHER=not a_sorted, A_ROW_DIV=a_row_div, BLOCK_M=tile.BLOCK_M, BLOCK_N=tile.BLOCK_N,
+        BLOCK_K=tile.BLOCK_K, GROUP_M=tile.GROUP_M, STAGES=ws_stages(tile, fused, a.element_size()),
+        NUM_WARPS=tile.num_warps, A_LAYOUT=a_smem_layout(tile, a.dtype),
         C_LAYOUT=gl.NVMMASharedLayout.get_default_for([tile.BLOCK_M, tile.BLOCK_N], _GL_DTYPES[c.dtype]),
         num_warps=tile.num_warps,
     )
