@@ -467,7 +467,7 @@ def _routes_with_counts(counts, k, g):
     return ids[torch.randperm(ids.numel(), generator=g)].view(-1, k)
 
 
-def _check_sorted_chain(x, w1, w2, topk_w, ids, sorted_ids, num_pp, inter, y, activation, inter_sorted=True):
+def _check_chain(x, w1, w2, topk_w, ids, sorted_ids, num_pp, inter, y, activation, inter_sorted=True):
     """The two GEMMs of a chain against the oracle, route by route: the intermediate (sorted rows, or route
     rows) against act(x @ w1.T), the output (route rows) against the kernel's intermediate @ w2.T times the
     top-k weight; unheld routes (and padding rows of a sorted intermediate) left as NaN."""
@@ -513,7 +513,7 @@ def test_moe_gemm_sorted_intermediate_chain_matches_oracle(a_tma, persistent):
              **align)
     y = torch.full((T * k, K), float("nan"), dtype=torch.bfloat16, device=DEVICE)
     moe_gemm(inter, w2.to(DEVICE), y, tile, a_row_div=1, topk_weights_Tk=topk_w.to(DEVICE), a_sorted=True, **align)
-    _check_sorted_chain(x, w1, w2, topk_w, ids, sorted_ids, num_pp, inter, y, Activation.SILU)
+    _check_chain(x, w1, w2, topk_w, ids, sorted_ids, num_pp, inter, y, Activation.SILU)
     with pytest.raises(ValueError, match=rf"a_sorted needs a with sorted_ids_S.numel\(\) \(\d+\) rows, got {T * k}"):
         moe_gemm(inter[: T * k], w2.to(DEVICE), y.to(DEVICE), tile, a_sorted=True, **align)
 
@@ -568,7 +568,7 @@ def test_moe_gemm_ws_chain_matches_oracle(gather, gemm1_block_n, block_m, num_wa
     moe_gemm(inter, w2.to(DEVICE), y, replace(tile, BLOCK_N=128), a_row_div=1, topk_weights_Tk=topk_w.to(DEVICE),
              a_sorted=not gather, **align)
     assert len(calls) == 2, "a GEMM ran the Triton kernel"
-    _check_sorted_chain(x, w1, w2, topk_w, ids, sorted_ids, num_pp, inter, y, activation, inter_sorted=not gather)
+    _check_chain(x, w1, w2, topk_w, ids, sorted_ids, num_pp, inter, y, activation, inter_sorted=not gather)
 
 
 @pytest.mark.parametrize("fused,gather,tile", [
