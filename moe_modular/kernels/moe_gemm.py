@@ -334,11 +334,17 @@ def _descriptor(t: torch.Tensor, block: list[int]) -> Optional["TensorDescriptor
 
     if t.device.type == "cuda" and not gpu_has_tma(t.device):  # the interpreter emulates descriptors
         return None
-    item = t.element_size()
-    *outer, last = t.stride()
-    if last != 1 or any((s * item) % 16 for s in outer) or t.data_ptr() % 16:
+    if not tma_addressable(t):
         return None
     return TensorDescriptor(t, list(t.shape), list(t.stride()), block)
+
+
+def tma_addressable(t: torch.Tensor) -> bool:
+    """Whether t's layout suits TMA boxes (and 16-byte row vectors): last stride 1, base and other strides
+    16-byte aligned."""
+    item = t.element_size()
+    *outer, last = t.stride()
+    return last == 1 and not any((s * item) % 16 for s in outer) and t.data_ptr() % 16 == 0
 
 
 def ws_applies(tile: GemmTile, a: torch.Tensor, b_ENK: torch.Tensor, c: torch.Tensor, *, standard: bool,
@@ -351,15 +357,9 @@ def ws_applies(tile: GemmTile, a: torch.Tensor, b_ENK: torch.Tensor, c: torch.Te
         return False
     if a.dtype not in (torch.bfloat16, torch.float16) or {b_ENK.dtype, c.dtype} != {a.dtype}:
         return False
-    if not b_ENK.is_contiguous() or c.stride(-1) != 1:
+    if not b_ENK.is_contiguous() or c.stride(-1) != 1 or not tma_addressable(b_ENK.view(-1, b_ENK.shape[-1])):
         return False
-    if _descriptor(b_ENK.view(-1, b_ENK.shape[-1]), [tile.BLOCK_N, tile.BLOCK_K]) is None:
-        return False
-    if a_sorted:
-        return _descriptor(a, [tile.BLOCK_M, tile.BLOCK_K]) is not None
-    item = a.element_size()
-    return (a.shape[-1] % tile.BLOCK_K == 0 and a.stride(-1) == 1 and (a.stride(0) * item) % 16 == 0
-            and a.data_ptr() % 16 == 0)
+    return tma_addressable(a) and (a_sorted or a.shape[-1] % tile.BLOCK_K == 0)
 
 
 def _a_scale_strides(scale: Optional[torch.Tensor], mode: AScale, batched: bool) -> tuple[int, int, int]:

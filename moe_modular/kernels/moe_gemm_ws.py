@@ -62,9 +62,12 @@ def _mma_warps(block_m, num_warps):
 
 
 @gluon.constexpr_function
-def _instr_n(block_n, num_warps, block_m):
-    """The wgmma instruction's N: the columns one warp column covers, at most 256."""
-    return min(256, block_n // _mma_warps(block_m, num_warps)[1])
+def _mma_layout(block_m, block_n, num_warps):
+    """The wgmma accumulator layout of a (block_m, block_n) tile: the instruction's N is the columns one warp
+    column covers, at most 256."""
+    warps = _mma_warps(block_m, num_warps)
+    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=warps,
+                                     instr_shape=[16, min(256, block_n // warps[1]), 16])
 
 
 @gluon.constexpr_function
@@ -88,7 +91,8 @@ def _ws_loader(a_desc, a_ptr, stride_am, b_desc, a_bufs, b_bufs, ready, empty, s
     k_steps = gl.cdiv(K, BLOCK_K)
     # bytes TMA brings per stage: the B tile (gate and up when fused), and A's unless gathered
     b_bytes: gl.constexpr = (2 if FUSE_ACT else 1) * b_desc.block_type.nbytes
-    nbytes: gl.constexpr = b_bytes if A_GATHER else b_bytes + BLOCK_M * BLOCK_K * b_desc.dtype.primitive_bitwidth // 8
+    a_bytes: gl.constexpr = BLOCK_M * BLOCK_K * b_desc.dtype.primitive_bitwidth // 8
+    nbytes: gl.constexpr = b_bytes if A_GATHER else b_bytes + a_bytes
     gather_layout: gl.constexpr = _store_layout(BLOCK_K, gl.num_warps())  # this partition's warps
     offs_k = gl.arange(0, BLOCK_K, layout=gl.SliceLayout(0, gather_layout))  # whole K tiles (ws_applies)
     i = 0
@@ -97,9 +101,11 @@ def _ws_loader(a_desc, a_ptr, stride_am, b_desc, a_bufs, b_bufs, ready, empty, s
         expert = gl.load(block_expert_ptr + pid_m)
         b_row = expert * b_rows_per_expert + pid_n * BLOCK_N
         if A_GATHER:  # the block's A rows: route sid reads row sid // A_ROW_DIV; padding entries read zeros
-            sid = gl.load(sorted_ids_ptr + pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, gather_layout)))
+            offs_m = pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, gather_layout))
+            sid = gl.load(sorted_ids_ptr + offs_m)
             # rows start 16-byte aligned (ws_applies), so each thread copies whole 8-element vectors
-            a_rows = a_ptr + gl.multiple_of((sid // A_ROW_DIV).to(gl.int64)[:, None] * stride_am, [1, 8]) + offs_k[None, :]
+            row_start = gl.multiple_of((sid // A_ROW_DIV).to(gl.int64)[:, None] * stride_am, [1, 8])
+            a_rows = a_ptr + row_start + offs_k[None, :]
             row_ok = (sid < num_routes)[:, None]
         for kk in range(k_steps):
             s = i % STAGES
@@ -134,12 +140,8 @@ def _ws_mma_epilogue(a_bufs, b_bufs, ready, empty, c_smem, c_ready, c_empty, c_p
     # Fused: one MMA over the gate and up tiles side by side (each A tile read once per K step), the gate
     # columns then the up columns.
     ACC_N: gl.constexpr = 2 * BLOCK_N if FUSE_ACT else BLOCK_N
-    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=_mma_warps(BLOCK_M, NUM_WARPS),
-        instr_shape=[16, _instr_n(ACC_N, NUM_WARPS, BLOCK_M), 16])
-    out_layout: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=_mma_warps(BLOCK_M, NUM_WARPS),
-        instr_shape=[16, _instr_n(BLOCK_N, NUM_WARPS, BLOCK_M), 16])
+    acc_layout: gl.constexpr = _mma_layout(BLOCK_M, ACC_N, NUM_WARPS)
+    out_layout: gl.constexpr = _mma_layout(BLOCK_M, BLOCK_N, NUM_WARPS)
     rows_layout: gl.constexpr = gl.SliceLayout(1, out_layout)
     num_blocks = gl.load(num_post_padded_ptr) // BLOCK_M
     num_pid_n = gl.cdiv(N, BLOCK_N)
@@ -232,30 +234,20 @@ def _moe_gemm_ws_kernel(a_desc, a_ptr, stride_am, b_desc, c_ptr, topk_weights_pt
     mbarrier.init(c_ready, count=1)
     mbarrier.init(c_empty, count=1)
     fence_async_shared()
-    if A_GATHER:
-        gl.warp_specialize([
-            (_ws_mma_epilogue, (a_bufs, b_bufs, ready, empty, c_smem, c_ready, c_empty, c_ptr, topk_weights_ptr,
-                                sorted_ids_ptr, num_post_padded_ptr, num_routes, N, K, topk, stride_cm, stride_wt,
-                                stride_wk, FUSE_ACT, ACTIVATION, MUL_WEIGHT, C_SORTED, BLOCK_M, BLOCK_N, BLOCK_K,
-                                GROUP_M, STAGES, NUM_WARPS, A_GATHER)),
-            (_ws_loader, (a_desc, a_ptr, stride_am, b_desc, a_bufs, b_bufs, ready, empty, sorted_ids_ptr,
-                          block_expert_ptr, num_post_padded_ptr, num_routes, N, K, b_rows_per_expert, FUSE_ACT,
-                          A_GATHER, A_ROW_DIV, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES)),
-            (_ws_storer, (c_smem, c_ready, c_empty, c_ptr, sorted_ids_ptr, num_post_padded_ptr, num_routes, N,
-                          stride_cm, C_SORTED, BLOCK_M, BLOCK_N, GROUP_M)),
-        ], [GATHER_WARPS, STORER_WARPS], [GATHER_REGS, STORER_REGS])
-    else:
-        gl.warp_specialize([
-            (_ws_mma_epilogue, (a_bufs, b_bufs, ready, empty, c_smem, c_ready, c_empty, c_ptr, topk_weights_ptr,
-                                sorted_ids_ptr, num_post_padded_ptr, num_routes, N, K, topk, stride_cm, stride_wt,
-                                stride_wk, FUSE_ACT, ACTIVATION, MUL_WEIGHT, C_SORTED, BLOCK_M, BLOCK_N, BLOCK_K,
-                                GROUP_M, STAGES, NUM_WARPS, A_GATHER)),
-            (_ws_loader, (a_desc, a_ptr, stride_am, b_desc, a_bufs, b_bufs, ready, empty, sorted_ids_ptr,
-                          block_expert_ptr, num_post_padded_ptr, num_routes, N, K, b_rows_per_expert, FUSE_ACT,
-                          A_GATHER, A_ROW_DIV, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES)),
-            (_ws_storer, (c_smem, c_ready, c_empty, c_ptr, sorted_ids_ptr, num_post_padded_ptr, num_routes, N,
-                          stride_cm, C_SORTED, BLOCK_M, BLOCK_N, GROUP_M)),
-        ], [1, STORER_WARPS], [LOADER_REGS, STORER_REGS])
+    # the loader: one warp issuing TMA copies, or GATHER_WARPS warps that also copy A's rows
+    LOADER_WARPS: gl.constexpr = GATHER_WARPS if A_GATHER else 1
+    LOADER_NUM_REGS: gl.constexpr = GATHER_REGS if A_GATHER else LOADER_REGS
+    gl.warp_specialize([
+        (_ws_mma_epilogue, (a_bufs, b_bufs, ready, empty, c_smem, c_ready, c_empty, c_ptr, topk_weights_ptr,
+                            sorted_ids_ptr, num_post_padded_ptr, num_routes, N, K, topk, stride_cm, stride_wt,
+                            stride_wk, FUSE_ACT, ACTIVATION, MUL_WEIGHT, C_SORTED, BLOCK_M, BLOCK_N, BLOCK_K,
+                            GROUP_M, STAGES, NUM_WARPS, A_GATHER)),
+        (_ws_loader, (a_desc, a_ptr, stride_am, b_desc, a_bufs, b_bufs, ready, empty, sorted_ids_ptr,
+                      block_expert_ptr, num_post_padded_ptr, num_routes, N, K, b_rows_per_expert, FUSE_ACT,
+                      A_GATHER, A_ROW_DIV, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES)),
+        (_ws_storer, (c_smem, c_ready, c_empty, c_ptr, sorted_ids_ptr, num_post_padded_ptr, num_routes, N,
+                      stride_cm, C_SORTED, BLOCK_M, BLOCK_N, GROUP_M)),
+    ], [LOADER_WARPS, STORER_WARPS], [LOADER_NUM_REGS, STORER_REGS])
 
 
 _GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}
@@ -280,7 +272,8 @@ def ws_descriptors(a: torch.Tensor, b_ENK: torch.Tensor, tile, a_sorted: bool):
     b_desc = TensorDescriptor(b2, list(b2.shape), list(b2.stride()), [tile.BLOCK_N, tile.BLOCK_K], b_layout)
     if not a_sorted:
         return None, b_desc
-    return TensorDescriptor(a, list(a.shape), list(a.stride()), [tile.BLOCK_M, tile.BLOCK_K], a_smem_layout(tile, a.dtype)), b_desc
+    a_box = [tile.BLOCK_M, tile.BLOCK_K]
+    return TensorDescriptor(a, list(a.shape), list(a.stride()), a_box, a_smem_layout(tile, a.dtype)), b_desc
 
 
 def a_smem_layout(tile, dtype: torch.dtype):
