@@ -18,8 +18,7 @@ dtype, quant scheme name, device name) and maps token-count buckets M to one Til
              gemm2: {a_tma: 1,     # optional: activation tiles too, where their rows are contiguous
                      persistent: 2}}  # optional: a program per SM walking the tiles (2: loop nest flattened)
       # ws: 1: the warp-specialized Hopper kernel (moe_gemm_ws.py) where it covers the launch (A sorted with
-      # a_tma: 1, or gathered by the kernel); ws: 2: that kernel with half-height MMAs for an expert's last
-      # block when it holds at most BLOCK_M / 2 routes
+      # a_tma: 1, or gathered by the kernel)
 
 For M between buckets the nearest bucket in log2(M) is used. Without a matching table,
 `default_tile_config` picks tiles from the average tokens per expert.
@@ -34,16 +33,15 @@ from typing import Optional
 import torch
 
 from moe_modular.config import dtype_name
-from moe_modular.kernels.moe_gemm import PERSISTENT_MODES, WS_MODES, GemmTile
+from moe_modular.kernels.moe_gemm import PERSISTENT_MODES, GemmTile
 from moe_modular.quant import QuantConfig
 
 CONFIG_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs")
 CPU_DEVICE_NAME = "cpu"
 _TILE_FIELDS = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "num_warps", "num_stages", "b_tma", "a_tma", "act_q",
                 "persistent", "ws")
-_FLAG_FIELDS = ("b_tma", "a_tma", "act_q")  # 0 / 1, listed in tables only where 1
-_MODE_FIELDS = {"persistent": PERSISTENT_MODES, "ws": WS_MODES}  # 0 = off, listed in tables only where set
-_OFF_BY_DEFAULT = _FLAG_FIELDS + tuple(_MODE_FIELDS)
+_FLAG_FIELDS = ("b_tma", "a_tma", "act_q", "ws")  # 0 / 1, listed in tables only where 1
+_OFF_BY_DEFAULT = _FLAG_FIELDS + ("persistent",)  # 0 = off; listed in tables only where set
 
 
 def device_name(device: torch.device) -> str:
@@ -89,9 +87,8 @@ class TileConfig:
             for f in _FLAG_FIELDS:
                 if getattr(tile, f) not in (0, 1):
                     raise ValueError(f"TileConfig.{name}.{f} ({getattr(tile, f)!r}) must be 0 or 1")
-            for f, modes in _MODE_FIELDS.items():
-                if getattr(tile, f) not in modes:
-                    raise ValueError(f"TileConfig.{name}.{f} ({getattr(tile, f)!r}) must be one of {modes}")
+            if tile.persistent not in PERSISTENT_MODES:
+                raise ValueError(f"TileConfig.{name}.persistent ({tile.persistent!r}) must be one of {PERSISTENT_MODES}")
 
     @property
     def block_m(self) -> int:

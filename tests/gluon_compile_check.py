@@ -1,7 +1,7 @@
 """Compile moe_gemm_ws's Gluon kernel for sm_90a on any machine (no GPU) and print what it became, as one
 JSON line: {"wgmma": bool, "cp_async_arrive": bool, "shared": bytes, "local_bytes": int or null}.
 
-    TRITON_INTERPRET=0 python -m tests.gluon_compile_check FUSED GATHER BLOCK_M BLOCK_N BLOCK_K GROUP_M WARPS STAGES WS
+    TRITON_INTERPRET=0 python -m tests.gluon_compile_check FUSED GATHER BLOCK_M BLOCK_N BLOCK_K GROUP_M WARPS STAGES
 
 Used by tests/test_triton_kernels.py in a process of its own (a process that has run kernels in
 Triton's interpreter cannot compile Gluon). local_bytes is the cubin's local memory (register spills) per
@@ -43,7 +43,6 @@ def compile_ws(fused: bool, gather: bool, tile: GemmTile):
     consts = dict(FUSE_ACT=fused, ACTIVATION=0, MUL_WEIGHT=not fused, C_SORTED=fused, A_GATHER=gather,
                   A_ROW_DIV=2 if fused else 1, BLOCK_M=tile.BLOCK_M, BLOCK_N=tile.BLOCK_N, BLOCK_K=tile.BLOCK_K,
                   GROUP_M=tile.GROUP_M, STAGES=W.ws_stages(tile, fused, 2), NUM_WARPS=tile.num_warps,
-                  TAIL_M=W.tail_rows(tile),
                   A_LAYOUT=W.a_smem_layout(tile, torch.bfloat16),
                   C_LAYOUT=W.gl.NVMMASharedLayout.get_default_for([tile.BLOCK_M, tile.BLOCK_N], W.gl.bfloat16))
     names = list(W._moe_gemm_ws_kernel.arg_names)
@@ -67,8 +66,8 @@ def local_bytes(cubin: bytes):
 
 
 def main(argv: list[str]) -> int:
-    fused, gather, *fields, ws = (int(v) for v in argv)
-    kernel = compile_ws(bool(fused), bool(gather), GemmTile(*fields, ws=ws))
+    fused, gather, *fields = (int(v) for v in argv)
+    kernel = compile_ws(bool(fused), bool(gather), GemmTile(*fields))
     ptx = kernel.asm["ptx"]
     print(json.dumps({"wgmma": "wgmma.mma_async" in ptx, "cp_async_arrive": "cp.async.mbarrier.arrive" in ptx,
                       "shared": kernel.metadata.shared, "local_bytes": local_bytes(kernel.asm["cubin"])}))

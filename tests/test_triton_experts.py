@@ -470,9 +470,6 @@ def test_tile_table_round_trip_and_nearest_bucket(tmp_path):
     ({"E": 8, "N": 1, "K": 1, "dtype": "bfloat16", "quant": "unquantized", "device": "cpu",
       "tiles": {1: {"BLOCK_M": 32, "BLOCK_N": 64, "BLOCK_K": 64, "gemm2": {"persistent": 3}}}},
      r"gemm2.persistent \(3\) must be one of \(0, 1, 2\)"),
-    ({"E": 8, "N": 1, "K": 1, "dtype": "bfloat16", "quant": "unquantized", "device": "cpu",
-      "tiles": {1: {"BLOCK_M": 128, "BLOCK_N": 64, "BLOCK_K": 64, "ws": 3}}},
-     r"gemm1.ws \(3\) must be one of \(0, 1, 2\)"),
 ])
 def test_tile_table_errors_name_the_field(doc, message):
     with pytest.raises(ValueError, match=message):

@@ -519,23 +519,19 @@ def test_moe_gemm_sorted_intermediate_chain_matches_oracle(a_tma, persistent):
 
 
 # Routes per expert for the warp-specialized chain (BLOCK_M 64 / 128): full and partial blocks, a single
-# route, none, a block exactly full; with BLOCK_M 128, last blocks holding 22, 1, 45 and exactly 64 routes
-# (ws 2: half-height MMAs) and 100 (a full-height one).
-WS_COUNTS = [150, 1, 0, 128, 301, 64, 100]
+# route, none, a block exactly full.
+WS_COUNTS = [150, 1, 0, 128, 301]
 
 
 @pytest.mark.skipif(not gpu_has_tma(DEVICE), reason="the warp-specialized Gluon kernel needs a Hopper-class GPU "
                     "(Triton's interpreter does not run Gluon); elsewhere tile.ws runs the Triton kernel")
 @pytest.mark.parametrize("activation", [Activation.SILU, Activation.GELU], ids=lambda a: a.value)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
-@pytest.mark.parametrize("block_m,num_warps,ws", [(128, 8, 1), (128, 8, 2), (128, 4, 2), (64, 4, 1)],
-                         ids=["m128w8", "m128w8-tail", "m128w4-tail", "m64w4"])
+@pytest.mark.parametrize("block_m,num_warps", [(128, 8), (64, 4)], ids=["m128w8", "m64w4"])
 @pytest.mark.parametrize("gemm1_block_n", [32, 64])
 @pytest.mark.parametrize("gather", [False, True], ids=["sorted", "gathered"])
-def test_moe_gemm_ws_chain_matches_oracle(gather, gemm1_block_n, block_m, num_warps, ws, dtype, activation,
-                                          monkeypatch):
-    # The warp-specialized kernel for both GEMMs (counted), with A in sorted order or gathered by the kernel;
-    # with ws 2 the blocks at most half full run half-height MMAs (gate and up apart).
+def test_moe_gemm_ws_chain_matches_oracle(gather, gemm1_block_n, block_m, num_warps, dtype, activation, monkeypatch):
+    # The warp-specialized kernel for both GEMMs (counted), with A in sorted order or gathered by the kernel.
     # Sorted: tokens sorted (sort_rows), the fused first GEMM writes the intermediate in sorted order, the
     # second reads it there; N and K are not multiples of the tiles (the weight boxes read past an expert's
     # rows and TMA pads K). Gathered (whole K tiles): the first GEMM reads token rows, the second route
@@ -556,7 +552,7 @@ def test_moe_gemm_ws_chain_matches_oracle(gather, gemm1_block_n, block_m, num_wa
     w1 = (torch.randn(El, 2 * N, K, generator=g) / K ** 0.5).to(dtype)
     w2 = (torch.randn(El, K, N, generator=g) / N ** 0.5).to(dtype)
     topk_w = torch.rand(T, k, generator=g)
-    tile = GemmTile(block_m, gemm1_block_n, 64, 4, num_warps, 3, b_tma=1, a_tma=1, ws=ws)
+    tile = GemmTile(block_m, gemm1_block_n, 64, 4, num_warps, 3, b_tma=1, a_tma=1, ws=1)
     sorted_ids, block_expert, num_pp = moe_align(ids.to(DEVICE), tile.BLOCK_M, El, None)
     S = sorted_ids.numel()
     align = dict(sorted_ids_S=sorted_ids, block_expert_Mb=block_expert, num_post_padded=num_pp, num_routes=T * k)
@@ -576,12 +572,10 @@ def test_moe_gemm_ws_chain_matches_oracle(gather, gemm1_block_n, block_m, num_wa
 
 
 @pytest.mark.parametrize("fused,gather,tile", [
-    (True, False, GemmTile(128, 128, 64, 8, 8, 4, ws=1)),  # the tables' first GEMM: gate | up in one MMA, TMA rows
-    (False, True, GemmTile(128, 128, 64, 8, 4, 4, ws=1)),  # a second GEMM with one warpgroup, rows gathered
-    (True, True, GemmTile(64, 32, 64, 4, 4, 3, ws=1)),
-    (True, False, GemmTile(128, 128, 64, 8, 8, 4, ws=2)),  # half-height MMAs for blocks at most half full
-    (False, False, GemmTile(128, 256, 64, 8, 8, 4, ws=2)),
-], ids=["gemm1-sorted", "gemm2-gathered-4warps", "gemm1-gathered-64rows", "gemm1-tail", "gemm2-tail"])
+    (True, False, GemmTile(128, 128, 64, 8, 8, 4)),  # the tables' first GEMM: gate | up in one MMA, TMA rows
+    (False, True, GemmTile(128, 128, 64, 8, 4, 4)),  # a second GEMM with one warpgroup, rows gathered
+    (True, True, GemmTile(64, 32, 64, 4, 4, 3)),
+], ids=["gemm1-sorted", "gemm2-gathered-4warps", "gemm1-gathered-64rows"])
 def test_moe_gemm_ws_compiles_for_hopper(fused, gather, tile):
     # The Gluon kernel has no interpreter: compile it for sm_90a (no GPU needed) and check what it became:
     # wgmma instructions, cp.async only when gathering, shared memory within Hopper's 227 KiB, and (where
@@ -591,7 +585,7 @@ def test_moe_gemm_ws_compiles_for_hopper(fused, gather, tile):
     import subprocess
     import sys
 
-    fields = [tile.BLOCK_M, tile.BLOCK_N, tile.BLOCK_K, tile.GROUP_M, tile.num_warps, tile.num_stages, tile.ws]
+    fields = [tile.BLOCK_M, tile.BLOCK_N, tile.BLOCK_K, tile.GROUP_M, tile.num_warps, tile.num_stages]
     run = subprocess.run([sys.executable, "-m", "tests.gluon_compile_check", str(int(fused)), str(int(gather)),
                           *map(str, fields)], capture_output=True, text=True, timeout=300,
                          env={**os.environ, "TRITON_INTERPRET": "0"},
@@ -608,8 +602,7 @@ def test_moe_gemm_ws_compiles_for_hopper(fused, gather, tile):
 @pytest.mark.parametrize("tile,message", [
     (GemmTile(32, 64, 64, ws=1), r"tile.ws needs BLOCK_M >= 64 .* got BLOCK_M 32, num_warps 4"),
     (GemmTile(64, 64, 64, num_warps=2, ws=1), r"tile.ws needs .* num_warps in \(4, 8\), got BLOCK_M 64, num_warps 2"),
-    (GemmTile(64, 64, 64, ws=3), r"tile.ws \(3\) must be one of \(0, 1, 2\)"),
-    (GemmTile(64, 64, 64, ws=2), r"tile.ws 2 needs BLOCK_M >= 128 .* got BLOCK_M 64"),
+    (GemmTile(64, 64, 64, ws=2), r"tile.ws \(2\) must be one of \(0, 1\)"),
 ])
 def test_moe_gemm_ws_tile_errors_name_the_field(tile, message):
     ids = torch.zeros(4, 2, dtype=torch.int32, device=DEVICE)

@@ -87,8 +87,7 @@ class GemmTile:
     persistent: int = 0  # standard format: 1 launches a program per SM that walks the tiles, 2 also flattens that
     # loop nest (the next tile's loads overlap this tile's epilogue); batched and per-route launches ignore it
     ws: int = 0  # 1: the warp-specialized Gluon kernel (moe_gemm_ws.py, a program per SM) where it covers the launch
-    # (ws_applies); elsewhere this kernel, same values. 2: that kernel, a block holding at most BLOCK_M / 2 routes
-    # (an expert's last) running MMAs of BLOCK_M / 2 rows (BLOCK_M >= 128)
+    # (ws_applies); elsewhere this kernel, same values
 
 
 @triton.jit
@@ -300,11 +299,9 @@ def _gemm_tile(
 
 # GemmTile.persistent: 0 a program per tile, 1 a program per SM walking the tiles, 2 that with the loop nest flattened.
 PERSISTENT_MODES = (0, 1, 2)
-# GemmTile.ws: 0 this kernel, 1 the warp-specialized Gluon kernel (moe_gemm_ws.py) where ws_applies, 2 that with
-# half-height MMAs for blocks at most half full.
-WS_MODES = (0, 1, 2)
+# GemmTile.ws: 0 this kernel, 1 the warp-specialized Gluon kernel (moe_gemm_ws.py) where ws_applies.
+WS_MODES = (0, 1)
 WS_MIN_BLOCK_M = 64
-WS_TAIL_MIN_BLOCK_M = 128  # ws = 2: the half-height MMA still needs a warpgroup's 64 rows
 WS_WARPS = (4, 8)  # one or two warpgroups
 # Programs of a persistent launch in the interpreter (a few, so each walks several tiles).
 INTERPRETER_PROGRAMS = 3
@@ -482,9 +479,6 @@ def moe_gemm(
     if tile.ws and (tile.BLOCK_M < WS_MIN_BLOCK_M or tile.num_warps not in WS_WARPS):
         raise ValueError(f"tile.ws needs BLOCK_M >= {WS_MIN_BLOCK_M} (a warpgroup's MMA rows) and num_warps in "
                          f"{WS_WARPS}, got BLOCK_M {tile.BLOCK_M}, num_warps {tile.num_warps}")
-    if tile.ws == 2 and tile.BLOCK_M < WS_TAIL_MIN_BLOCK_M:
-        raise ValueError(f"tile.ws 2 needs BLOCK_M >= {WS_TAIL_MIN_BLOCK_M} (half-height MMAs of at least a "
-                         f"warpgroup's 64 rows), got BLOCK_M {tile.BLOCK_M}")
     if batched:
         slots = a.shape[1]
         num_pid_m = cdiv(slots, tile.BLOCK_M)

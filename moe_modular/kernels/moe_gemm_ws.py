@@ -131,108 +131,18 @@ def _ws_loader(a_desc, a_ptr, stride_am, b_desc, a_bufs, b_bufs, ready, empty, s
 
 
 @gluon.jit
-def _ws_k_loop(a_bufs, b_bufs, ready, empty, acc, acc_up, i, k_steps, ROWS: gl.constexpr, BLOCK_M: gl.constexpr,
-               SPLIT: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, A_GATHER: gl.constexpr):
-    """The wgmma chain of one tile over its K steps, on the first ROWS rows of each A stage: one MMA into acc
-    over the whole B stage, or (SPLIT) the gate rows into acc and the up rows into acc_up. Each stage is handed
-    back to the loader once the MMAs that read it are done. Returns (acc, acc_up, stages consumed so far)."""
-    for kk in range(k_steps):
-        s = i % STAGES
-        mbarrier.wait(ready.index(s), (i // STAGES) & 1)
-        if A_GATHER:  # the A tile was written by cp.async (generic proxy); wgmma reads through the async one
-            fence_async_shared()
-        a = a_bufs.index(s)
-        if ROWS < BLOCK_M:
-            a = a.slice(0, ROWS)
-        if SPLIT:
-            acc = warpgroup_mma(a, b_bufs.index(s).slice(0, BLOCK_N).permute((1, 0)), acc, is_async=True)
-            acc_up = warpgroup_mma(a, b_bufs.index(s).slice(BLOCK_N, BLOCK_N).permute((1, 0)), acc_up,
-                                   is_async=True)
-            # this step's MMAs may still run; the previous step's are done, so its stage is free
-            acc, acc_up = warpgroup_mma_wait(num_outstanding=2, deps=(acc, acc_up))
-        else:
-            acc = warpgroup_mma(a, b_bufs.index(s).permute((1, 0)), acc, is_async=True)
-            acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc, ))
-        mbarrier.arrive(empty.index((i + STAGES - 1) % STAGES), pred=kk > 0)
-        i += 1
-    if SPLIT:
-        acc, acc_up = warpgroup_mma_wait(num_outstanding=0, deps=(acc, acc_up))
-    else:
-        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
-    mbarrier.arrive(empty.index((i + STAGES - 1) % STAGES))
-    return acc, acc_up, i
-
-
-@gluon.jit
-def _ws_epilogue(acc, acc_up, c_smem, c_ready, c_empty, t, row0, c_ptr, topk_weights_ptr, sorted_ids_ptr,
-                 num_routes, topk, stride_wt, stride_wk, FUSE_ACT: gl.constexpr, ACTIVATION: gl.constexpr,
-                 MUL_WEIGHT: gl.constexpr, ROWS: gl.constexpr, BLOCK_M: gl.constexpr, LAYOUT: gl.constexpr):
-    """act(acc) * acc_up (FUSE_ACT, as act_and_mul.gated_act) or acc times the top-k weight of rows row0..,
-    then the rounded (ROWS, BLOCK_N) tile into c_smem's first ROWS rows for the store partition (once it
-    has taken the previous tile)."""
-    if FUSE_ACT:
-        if ACTIVATION == _ACT_SILU:
-            acc = acc / (1.0 + gl.exp(-acc)) * acc_up
-        else:
-            acc = 0.5 * acc * (1.0 + gl.erf(acc * 0.7071067811865476)) * acc_up
-    if MUL_WEIGHT:
-        sid = gl.load(sorted_ids_ptr + row0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, LAYOUT)))
-        w = gl.load(topk_weights_ptr + (sid // topk) * stride_wt + (sid % topk) * stride_wk,
-                    mask=sid < num_routes, other=0.0)
-        acc = acc * w.to(gl.float32)[:, None]
-    mbarrier.wait(c_empty, (t & 1) ^ 1)
-    if ROWS < BLOCK_M:
-        c_smem = c_smem.slice(0, ROWS)
-    c_smem.store(acc.to(c_ptr.dtype.element_ty))
-    mbarrier.arrive(c_ready)
-
-
-@gluon.jit
-def _ws_full_tile(a_bufs, b_bufs, ready, empty, c_smem, c_ready, c_empty, i, t, k_steps, row0, c_ptr,
-                  topk_weights_ptr, sorted_ids_ptr, num_routes, topk, stride_wt, stride_wk, FUSE_ACT: gl.constexpr,
-                  ACTIVATION: gl.constexpr, MUL_WEIGHT: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                  STAGES: gl.constexpr, NUM_WARPS: gl.constexpr, A_GATHER: gl.constexpr):
-    """A tile of BLOCK_M rows; fused, one MMA over the gate and up tiles side by side (each A tile read once
-    per K step), the gate columns then the up columns, split in registers. Returns the stages consumed."""
-    ACC_N: gl.constexpr = 2 * BLOCK_N if FUSE_ACT else BLOCK_N
-    out_layout: gl.constexpr = _mma_layout(BLOCK_M, BLOCK_N, NUM_WARPS)
-    acc = gl.zeros([BLOCK_M, ACC_N], gl.float32, _mma_layout(BLOCK_M, ACC_N, NUM_WARPS))
-    acc, acc_up, i = _ws_k_loop(a_bufs, b_bufs, ready, empty, acc, acc, i, k_steps, BLOCK_M, BLOCK_M, False,
-                                BLOCK_N, STAGES, A_GATHER)
-    if FUSE_ACT:  # each thread holds its gate and up columns
-        acc, acc_up = gl.split(gl.permute(gl.reshape(acc, [BLOCK_M, 2, BLOCK_N]), (0, 2, 1)))
-        acc = gl.convert_layout(acc, out_layout)
-        acc_up = gl.convert_layout(acc_up, out_layout)
-    _ws_epilogue(acc, acc_up, c_smem, c_ready, c_empty, t, row0, c_ptr, topk_weights_ptr, sorted_ids_ptr,
-                 num_routes, topk, stride_wt, stride_wk, FUSE_ACT, ACTIVATION, MUL_WEIGHT, BLOCK_M, BLOCK_M,
-                 out_layout)
-    return i
-
-
-@gluon.jit
-def _ws_short_tile(a_bufs, b_bufs, ready, empty, c_smem, c_ready, c_empty, i, t, k_steps, row0, c_ptr,
-                   topk_weights_ptr, sorted_ids_ptr, num_routes, topk, stride_wt, stride_wk, FUSE_ACT: gl.constexpr,
-                   ACTIVATION: gl.constexpr, MUL_WEIGHT: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                   STAGES: gl.constexpr, NUM_WARPS: gl.constexpr, A_GATHER: gl.constexpr, TAIL_M: gl.constexpr):
-    """A block holding at most TAIL_M routes (an expert's last): MMAs of its first TAIL_M rows, gate and up
-    apart (with two warpgroups the accumulator spans the columns, so one MMA would put a column's gate and
-    up in different warps). Returns the stages consumed."""
-    layout: gl.constexpr = _mma_layout(TAIL_M, BLOCK_N, NUM_WARPS)
-    acc = gl.zeros([TAIL_M, BLOCK_N], gl.float32, layout)
-    acc, acc_up, i = _ws_k_loop(a_bufs, b_bufs, ready, empty, acc, acc, i, k_steps, TAIL_M, BLOCK_M, FUSE_ACT,
-                                BLOCK_N, STAGES, A_GATHER)
-    _ws_epilogue(acc, acc_up, c_smem, c_ready, c_empty, t, row0, c_ptr, topk_weights_ptr, sorted_ids_ptr,
-                 num_routes, topk, stride_wt, stride_wk, FUSE_ACT, ACTIVATION, MUL_WEIGHT, TAIL_M, BLOCK_M, layout)
-    return i
-
-
-@gluon.jit
 def _ws_mma_epilogue(a_bufs, b_bufs, ready, empty, c_smem, c_ready, c_empty, c_ptr, topk_weights_ptr,
                      sorted_ids_ptr, num_post_padded_ptr, num_routes, N, K, topk, stride_cm, stride_wt, stride_wk,
                      FUSE_ACT: gl.constexpr, ACTIVATION: gl.constexpr, MUL_WEIGHT: gl.constexpr,
                      C_SORTED: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
                      GROUP_M: gl.constexpr, STAGES: gl.constexpr, NUM_WARPS: gl.constexpr,
-                     A_GATHER: gl.constexpr, TAIL_M: gl.constexpr):
+                     A_GATHER: gl.constexpr):
+    # Fused: one MMA over the gate and up tiles side by side (each A tile read once per K step), the gate
+    # columns then the up columns.
+    ACC_N: gl.constexpr = 2 * BLOCK_N if FUSE_ACT else BLOCK_N
+    acc_layout: gl.constexpr = _mma_layout(BLOCK_M, ACC_N, NUM_WARPS)
+    out_layout: gl.constexpr = _mma_layout(BLOCK_M, BLOCK_N, NUM_WARPS)
+    rows_layout: gl.constexpr = gl.SliceLayout(1, out_layout)
     num_blocks = gl.load(num_post_padded_ptr) // BLOCK_M
     num_pid_n = gl.cdiv(N, BLOCK_N)
     k_steps = gl.cdiv(K, BLOCK_K)
@@ -240,16 +150,37 @@ def _ws_mma_epilogue(a_bufs, b_bufs, ready, empty, c_smem, c_ready, c_empty, c_p
     t = 0
     for tile in range(gl.program_id(0), num_blocks * num_pid_n, gl.num_programs(0)):
         pid_m, pid_n = _ws_tile_order(tile, num_blocks, num_pid_n, GROUP_M)
-        row0 = pid_m * BLOCK_M
-        # an expert's routes come first in its blocks, sentinels after them
-        if TAIL_M > 0 and gl.load(sorted_ids_ptr + row0 + TAIL_M) >= num_routes:
-            i = _ws_short_tile(a_bufs, b_bufs, ready, empty, c_smem, c_ready, c_empty, i, t, k_steps, row0, c_ptr,
-                               topk_weights_ptr, sorted_ids_ptr, num_routes, topk, stride_wt, stride_wk, FUSE_ACT,
-                               ACTIVATION, MUL_WEIGHT, BLOCK_M, BLOCK_N, STAGES, NUM_WARPS, A_GATHER, TAIL_M)
-        else:
-            i = _ws_full_tile(a_bufs, b_bufs, ready, empty, c_smem, c_ready, c_empty, i, t, k_steps, row0, c_ptr,
-                              topk_weights_ptr, sorted_ids_ptr, num_routes, topk, stride_wt, stride_wk, FUSE_ACT,
-                              ACTIVATION, MUL_WEIGHT, BLOCK_M, BLOCK_N, STAGES, NUM_WARPS, A_GATHER)
+        acc = gl.zeros([BLOCK_M, ACC_N], gl.float32, acc_layout)
+        for kk in range(k_steps):
+            s = i % STAGES
+            mbarrier.wait(ready.index(s), (i // STAGES) & 1)
+            if A_GATHER:  # the A tile was written by cp.async (generic proxy); wgmma reads through the async one
+                fence_async_shared()
+            acc = warpgroup_mma(a_bufs.index(s), b_bufs.index(s).permute((1, 0)), acc, is_async=True)
+            # this step's MMA may still run; the previous step's is done, so its stage is free
+            acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc, ))
+            mbarrier.arrive(empty.index((i + STAGES - 1) % STAGES), pred=kk > 0)
+            i += 1
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+        mbarrier.arrive(empty.index((i + STAGES - 1) % STAGES))
+
+        if FUSE_ACT:  # act(gate) * up, as act_and_mul.gated_act; each thread holds its gate and up columns
+            acc, acc_up = gl.split(gl.permute(gl.reshape(acc, [BLOCK_M, 2, BLOCK_N]), (0, 2, 1)))
+            acc = gl.convert_layout(acc, out_layout)
+            acc_up = gl.convert_layout(acc_up, out_layout)
+            if ACTIVATION == _ACT_SILU:
+                acc = acc / (1.0 + gl.exp(-acc)) * acc_up
+            else:
+                acc = 0.5 * acc * (1.0 + gl.erf(acc * 0.7071067811865476)) * acc_up
+        if MUL_WEIGHT:
+            sid = gl.load(sorted_ids_ptr + pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=rows_layout))
+            w = gl.load(topk_weights_ptr + (sid // topk) * stride_wt + (sid % topk) * stride_wk,
+                        mask=sid < num_routes, other=0.0)
+            acc = acc * w.to(gl.float32)[:, None]
+        # hand the tile to the store partition (once it has taken the previous one) and go on to the next
+        mbarrier.wait(c_empty, (t & 1) ^ 1)
+        c_smem.store(acc.to(c_ptr.dtype.element_ty))
+        mbarrier.arrive(c_ready)
         t += 1
 
 
@@ -287,8 +218,8 @@ def _moe_gemm_ws_kernel(a_desc, a_ptr, stride_am, b_desc, c_ptr, topk_weights_pt
                         FUSE_ACT: gl.constexpr, ACTIVATION: gl.constexpr, MUL_WEIGHT: gl.constexpr,
                         C_SORTED: gl.constexpr, A_GATHER: gl.constexpr, A_ROW_DIV: gl.constexpr,
                         BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr,
-                        STAGES: gl.constexpr, NUM_WARPS: gl.constexpr, TAIL_M: gl.constexpr,
-                        A_LAYOUT: gl.constexpr, C_LAYOUT: gl.constexpr):
+                        STAGES: gl.constexpr, NUM_WARPS: gl.constexpr, A_LAYOUT: gl.constexpr,
+                        C_LAYOUT: gl.constexpr):
     a_bufs = gl.allocate_shared_memory(b_desc.dtype, [STAGES, BLOCK_M, BLOCK_K], A_LAYOUT)
     B_ROWS: gl.constexpr = 2 * BLOCK_N if FUSE_ACT else BLOCK_N
     b_bufs = gl.allocate_shared_memory(b_desc.dtype, [STAGES, B_ROWS, BLOCK_K], b_desc.layout)
@@ -310,7 +241,7 @@ def _moe_gemm_ws_kernel(a_desc, a_ptr, stride_am, b_desc, c_ptr, topk_weights_pt
         (_ws_mma_epilogue, (a_bufs, b_bufs, ready, empty, c_smem, c_ready, c_empty, c_ptr, topk_weights_ptr,
                             sorted_ids_ptr, num_post_padded_ptr, num_routes, N, K, topk, stride_cm, stride_wt,
                             stride_wk, FUSE_ACT, ACTIVATION, MUL_WEIGHT, C_SORTED, BLOCK_M, BLOCK_N, BLOCK_K,
-                            GROUP_M, STAGES, NUM_WARPS, A_GATHER, TAIL_M)),
+                            GROUP_M, STAGES, NUM_WARPS, A_GATHER)),
         (_ws_loader, (a_desc, a_ptr, stride_am, b_desc, a_bufs, b_bufs, ready, empty, sorted_ids_ptr,
                       block_expert_ptr, num_post_padded_ptr, num_routes, N, K, b_rows_per_expert, FUSE_ACT,
                       A_GATHER, A_ROW_DIV, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES)),
@@ -328,11 +259,6 @@ def ws_stages(tile, fused: bool, item: int) -> int:
     per_stage = (tile.BLOCK_M + tile.BLOCK_N * (2 if fused else 1)) * tile.BLOCK_K * item
     left = WS_SMEM_BYTES - tile.BLOCK_M * tile.BLOCK_N * item
     return max(1, min(tile.num_stages, left // per_stage))
-
-
-def tail_rows(tile) -> int:
-    """Rows of the short MMAs of a block holding few routes: BLOCK_M / 2 with ws = 2, none (0) with ws = 1."""
-    return tile.BLOCK_M // 2 if tile.ws == 2 else 0
 
 
 def ws_descriptors(a: torch.Tensor, b_ENK: torch.Tensor, tile, a_sorted: bool):
@@ -379,7 +305,7 @@ def moe_gemm_ws(a: torch.Tensor, b_ENK: torch.Tensor, c: torch.Tensor, tile, *, 
         FUSE_ACT=fused, ACTIVATION=activation_code or 0, MUL_WEIGHT=topk_weights_Tk is not None,
         C_SORTED=c_sorted, A_GATHER=not a_sorted, A_ROW_DIV=a_row_div, BLOCK_M=tile.BLOCK_M, BLOCK_N=tile.BLOCK_N,
         BLOCK_K=tile.BLOCK_K, GROUP_M=tile.GROUP_M, STAGES=ws_stages(tile, fused, a.element_size()),
-        NUM_WARPS=tile.num_warps, TAIL_M=tail_rows(tile), A_LAYOUT=a_smem_layout(tile, a.dtype),
+        NUM_WARPS=tile.num_warps, A_LAYOUT=a_smem_layout(tile, a.dtype),
         C_LAYOUT=gl.NVMMASharedLayout.get_default_for([tile.BLOCK_M, tile.BLOCK_N], _GL_DTYPES[c.dtype]),
         num_warps=tile.num_warps,
     )
