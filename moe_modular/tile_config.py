@@ -17,6 +17,8 @@ dtype, quant scheme name, device name) and maps token-count buckets M to one Til
              b_tma: 1,             # optional: weight tiles through a tensor descriptor (TMA)
              gemm2: {a_tma: 1,     # optional: activation tiles too, where their rows are contiguous
                      persistent: 2}}  # optional: a program per SM walking the tiles (2: loop nest flattened)
+      # pdl: 1: the GEMM launched as a programmatic dependent (Hopper and later): placed while the kernel
+      # before finishes, it waits for that one's end; under gemm2 the top-k sum after it launches so too
       # ws: 1: the warp-specialized Hopper kernel (moe_gemm_ws.py) where it covers the launch (A sorted with
       # a_tma: 1, or gathered by the kernel)
 
@@ -39,8 +41,8 @@ from moe_modular.quant import QuantConfig
 CONFIG_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs")
 CPU_DEVICE_NAME = "cpu"
 _TILE_FIELDS = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "num_warps", "num_stages", "b_tma", "a_tma", "act_q",
-                "persistent", "ws")
-_FLAG_FIELDS = ("b_tma", "a_tma", "act_q", "ws")  # 0 / 1, listed in tables only where 1
+                "persistent", "ws", "pdl")
+_FLAG_FIELDS = ("b_tma", "a_tma", "act_q", "ws", "pdl")  # 0 / 1, listed in tables only where 1
 _OFF_BY_DEFAULT = _FLAG_FIELDS + ("persistent",)  # 0 = off; listed in tables only where set
 
 

@@ -348,6 +348,52 @@ def test_warp_specialized_gemms_match_oracle(c: Case, a_tma, monkeypatch):
     assert err <= tolerance(c.dtype, c.quant), f"relative error {err:.3e}"
 
 
+PDL_CASES = [Case(1, 8, 3, held=(1, 2, 5, 6)),  # one token: per-route blocks, unheld routes
+             Case(9, 7, 3), Case(6, 7, 2, dtype=torch.float16, activation=Activation.GELU),
+             Case(7, 8, 2, quant=QuantConfig.fp8_per_token())]  # the second GEMM with activation scales
+
+
+@pytest.mark.skipif(not gpu_has_tma(DEVICE), reason="programmatic dependent launch (griddepcontrol) needs a GPU of "
+                    "compute capability >= 9; elsewhere gemm2.pdl launches as usual")
+@pytest.mark.parametrize("persistent", [0, 2], ids=["tiles", "persistent"])
+@pytest.mark.parametrize("c", PDL_CASES, ids=_name)
+def test_programmatic_dependent_launches_match_oracle(c: Case, persistent: int):
+    # pdl: both GEMMs and (gemm2.pdl) the top-k sum are placed while the kernel before each is still running
+    # and wait for its end; eager and replayed from a CUDA graph with fresh inputs copied in, workspaces
+    # poisoned before each, both match the oracle.
+    moe, qp, x, w1, w2, tw, ti, expert_map = make_inputs(c, seed=c.T + 13 * c.E)
+    tile = GemmTile(16, 64, 64, 1, 4, 2, pdl=1)
+    fe = TritonExperts(moe, qp, tile_config=TileConfig(tile, replace(tile, persistent=persistent)))
+    El, N2 = w1.shape[0], w1.shape[1]
+    pf = MoEPrepareAndFinalizeNoEP()
+    ws13, ws2, out = _poisoned_workspaces(fe, c.T, N2, c.K, c.topk, c.E, El)
+
+    def forward():
+        prepared = pf.prepare(x, tw, ti, c.E, expert_map, False, qp)
+        fe.apply(out, prepared.a1q, w1, w2, tw, ti, c.activation, c.E, expert_map, prepared.a1q_scale,
+                 qp.a2_scale, ws13, ws2, None, False)
+
+    def check():
+        ref = _reference(c, qp, x, w1, w2, tw, ti, expert_map)
+        assert torch.isfinite(out).all(), "a row of the output was not written"
+        err = ((out.float() - ref).norm() / ref.norm()).item()
+        assert err <= tolerance(c.dtype, c.quant), f"relative error {err:.3e}"
+
+    forward()
+    check()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        forward()
+    _, _, x2, _, _, tw2, ti2, _ = make_inputs(c, seed=c.T + 13 * c.E + 1)
+    for dst, src in ((x, x2), (tw, tw2), (ti, ti2)):
+        dst.copy_(src)
+    for t in (ws13, ws2, out):
+        t.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    check()
+
+
 ACT_Q_CASES = [Case(9, 7, 2, quant=QuantConfig.fp8_block((64, 32))),
                Case(7, 8, 2, quant=QuantConfig.fp8_block((64, 32)), held=(0, 3, 4, 7), activation=Activation.GELU),
                Case(1, 6, 3, quant=QuantConfig.fp8_block((64, 32)))]  # one token: per-route blocks
@@ -470,6 +516,9 @@ def test_tile_table_round_trip_and_nearest_bucket(tmp_path):
     ({"E": 8, "N": 1, "K": 1, "dtype": "bfloat16", "quant": "unquantized", "device": "cpu",
       "tiles": {1: {"BLOCK_M": 32, "BLOCK_N": 64, "BLOCK_K": 64, "gemm2": {"persistent": 3}}}},
      r"gemm2.persistent \(3\) must be one of \(0, 1, 2\)"),
+    ({"E": 8, "N": 1, "K": 1, "dtype": "bfloat16", "quant": "unquantized", "device": "cpu",
+      "tiles": {1: {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 64, "gemm2": {"pdl": 2}}}},
+     r"gemm2.pdl \(2\) must be 0 or 1"),
 ])
 def test_tile_table_errors_name_the_field(doc, message):
     with pytest.raises(ValueError, match=message):

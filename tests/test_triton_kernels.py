@@ -571,6 +571,30 @@ def test_moe_gemm_ws_chain_matches_oracle(gather, gemm1_block_n, block_m, num_wa
     _check_chain(x, w1, w2, topk_w, ids, sorted_ids, num_pp, inter, y, activation, inter_sorted=not gather)
 
 
+def _sm90_compile_check(*args) -> dict:
+    """tests/sm90_compile_check.py's JSON for `args`, run in a process of its own: kernels run in Triton's
+    interpreter earlier in this one leave triton.language patched, and the compile then fails."""
+    import json
+    import subprocess
+    import sys
+
+    run = subprocess.run([sys.executable, "-m", "tests.sm90_compile_check", *map(str, args)], capture_output=True,
+                         text=True, timeout=300, env={**os.environ, "TRITON_INTERPRET": "0"},
+                         cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert run.returncode == 0, run.stderr[-3000:]
+    return json.loads(run.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("per_route,persistent", [(True, 0), (False, 0), (False, 2)],
+                         ids=["per-route", "tiles", "persistent"])
+def test_moe_gemm_pdl_compiles_to_griddepcontrol(per_route, persistent):
+    # tile.pdl cannot run in Triton's interpreter: compile the second GEMM for sm_90a (no GPU needed) and check
+    # that it launches as a programmatic dependent, waits for the kernel before it once and lets the next one
+    # be placed once.
+    got = _sm90_compile_check("pdl", int(per_route), persistent)
+    assert got == {"wait": 1, "launch_dependents": 1, "launch_pdl": True}, got
+
+
 @pytest.mark.parametrize("fused,gather,tile", [
     (True, False, GemmTile(128, 128, 64, 8, 8, 4)),  # the tables' first GEMM: gate | up in one MMA, TMA rows
     (False, True, GemmTile(128, 128, 64, 8, 4, 4)),  # a second GEMM with one warpgroup, rows gathered
@@ -579,19 +603,9 @@ def test_moe_gemm_ws_chain_matches_oracle(gather, gemm1_block_n, block_m, num_wa
 def test_moe_gemm_ws_compiles_for_hopper(fused, gather, tile):
     # The Gluon kernel has no interpreter: compile it for sm_90a (no GPU needed) and check what it became:
     # wgmma instructions, cp.async only when gathering, shared memory within Hopper's 227 KiB, and (where
-    # triton ships cuobjdump) no register spills. In a process of its own: kernels run in Triton's
-    # interpreter earlier in this one leave triton.language patched, and the compile then fails.
-    import json
-    import subprocess
-    import sys
-
+    # triton ships cuobjdump) no register spills.
     fields = [tile.BLOCK_M, tile.BLOCK_N, tile.BLOCK_K, tile.GROUP_M, tile.num_warps, tile.num_stages]
-    run = subprocess.run([sys.executable, "-m", "tests.gluon_compile_check", str(int(fused)), str(int(gather)),
-                          *map(str, fields)], capture_output=True, text=True, timeout=300,
-                         env={**os.environ, "TRITON_INTERPRET": "0"},
-                         cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    assert run.returncode == 0, run.stderr[-3000:]
-    got = json.loads(run.stdout.strip().splitlines()[-1])
+    got = _sm90_compile_check("ws", int(fused), int(gather), *fields)
     assert got["wgmma"]
     assert got["cp_async_arrive"] == gather
     assert got["shared"] <= 227 * 1024

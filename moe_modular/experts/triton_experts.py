@@ -198,4 +198,5 @@ class TritonExperts(TritonExpertsBase):
         moe_gemm(buf["intermediate"], w2, y, cfg.gemm2, a_scale=inter_scale, a_scale_mode=modes.a2,
                  b_scale=q.w2_scale, b_scale_mode=modes.w, group_shape=group, a_row_div=1,
                  topk_weights_Tk=None if apply_router_weight_on_input else topk_weights, a_sorted=sort_mid, **align)
-        moe_sum(y, topk_ids, output, El, expert_map)
+        # with gemm2.pdl the top-k sum, too, starts while the second GEMM finishes
+        moe_sum(y, topk_ids, output, El, expert_map, pdl=bool(cfg.gemm2.pdl))

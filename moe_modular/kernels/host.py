@@ -1,5 +1,7 @@
-"""Host-side integer helpers for kernel launches (plain Python: called on every forward)."""
+"""Host-side helpers for kernel launches (plain Python: called on every forward)."""
 from __future__ import annotations
+
+import torch
 
 
 def cdiv(a: int, b: int) -> int:
@@ -11,3 +13,9 @@ def next_pow2(x: int) -> int:
     """The smallest power of two >= x (1 for x <= 1)."""
     x = int(x)
     return 1 if x <= 1 else 1 << (x - 1).bit_length()
+
+
+def gpu_has_tma(device: torch.device) -> bool:
+    """Whether `device` is a GPU of compute capability >= 9 (Hopper and later): the tensor memory accelerator,
+    and programmatic dependent launch with grid dependency control (griddepcontrol)."""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9

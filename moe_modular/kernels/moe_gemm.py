@@ -30,10 +30,11 @@ from typing import TYPE_CHECKING, Optional
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from moe_modular.config import Activation
 from moe_modular.kernels.act_and_mul import _ACT_CODE, GEMM_FUSABLE_ACTIVATIONS, _scale_of, _to_fp8, gated_act
-from moe_modular.kernels.host import cdiv
+from moe_modular.kernels.host import cdiv, gpu_has_tma
 from moe_modular.kernels.moe_align import _local_expert_of_route
 
 if TYPE_CHECKING:
@@ -86,6 +87,9 @@ class GemmTile:
     # quantization in the epilogue
     persistent: int = 0  # standard format: 1 launches a program per SM that walks the tiles, 2 also flattens that
     # loop nest (the next tile's loads overlap this tile's epilogue); batched and per-route launches ignore it
+    pdl: int = 0  # 1 (a GPU of compute capability >= 9): launched as a programmatic dependent of the kernel before it:
+    # its programs are placed while that one finishes and wait for its end (griddepcontrol.wait) before they read
+    # anything; the warp-specialized kernel ignores it
     ws: int = 0  # 1: the warp-specialized Gluon kernel (moe_gemm_ws.py, a program per SM) where it covers the launch
     # (ws_applies); elsewhere this kernel, same values
 
@@ -110,8 +114,12 @@ def _moe_gemm_kernel(
     A_SORTED: tl.constexpr, C_SORTED: tl.constexpr, A_TMA: tl.constexpr,
     PER_ROUTE: tl.constexpr, HAS_MAP: tl.constexpr, OUT_GROUP: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    PERSISTENT: tl.constexpr,
+    PERSISTENT: tl.constexpr, GDC: tl.constexpr, PDL: tl.constexpr,
 ):
+    if PDL:  # launched as a programmatic dependent: wait for the previous kernel's end before reading anything
+        gdc_wait()
+    if GDC:  # a GPU with grid dependency control: the next kernel may be placed once every program got here
+        gdc_launch_dependents()
     num_pid_n = tl.cdiv(N, BLOCK_N)
     count = 0
     if PERSISTENT > 0:  # standard format: each program walks the tiles of the filled blocks, a grid's width apart
@@ -321,11 +329,6 @@ def _strides(t: Optional[torch.Tensor], n: int) -> tuple[int, ...]:
     return (0,) * (n - len(s)) + s
 
 
-def gpu_has_tma(device: torch.device) -> bool:
-    """Whether `device` is a GPU with the tensor memory accelerator (compute capability >= 9)."""
-    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
-
-
 def _descriptor(t: torch.Tensor, block: list[int]) -> Optional["TensorDescriptor"]:
     """A tensor descriptor over t with boxes of `block`, or None where TMA cannot address t (the
     kernel then loads it through pointers: same values, no TMA): a GPU before Hopper, or a layout
@@ -419,6 +422,8 @@ def moe_gemm(
       with a_sorted or batched, whose block rows are contiguous); elsewhere pointers, same values.
     tile.persistent (standard format): min(tiles, SMs) programs walk the tiles of the filled blocks
       (1), with the loop nest flattened (2); same values, only the schedule differs.
+    tile.pdl (a GPU of compute capability >= 9; the warp-specialized kernel ignores it): launched as a programmatic dependent of the kernel before it, whose
+      end its programs wait for before they read anything; same values, the launch gap overlaps.
     tile.ws: the warp-specialized Hopper kernel of moe_gemm_ws.py where ws_applies (standard format, 16-bit
       operands without scales, a Hopper-class GPU; A sorted, or gathered by the kernel in whole K tiles);
       elsewhere this kernel, same values.
@@ -520,6 +525,9 @@ def moe_gemm(
     a_arg = None
     if tile.a_tma and (batched or a_sorted):
         a_arg = _descriptor(a, [1, tile.BLOCK_M, tile.BLOCK_K] if batched else [tile.BLOCK_M, tile.BLOCK_K])
+    gdc = gpu_has_tma(a.device)
+    pdl = bool(tile.pdl) and gdc
+    launch = {"launch_pdl": pdl} if gdc else {}  # the interpreter takes no such option
     _moe_gemm_kernel[grid](
         a_arg if a_arg is not None else a, b_arg if b_arg is not None else b_ENK, c,
         a_scale if a_scale is not None else dummy,
@@ -547,8 +555,8 @@ def moe_gemm(
         B_TMA=b_arg is not None, A_SORTED=a_sorted, C_SORTED=c_sorted, A_TMA=a_arg is not None,
         PER_ROUTE=per_route, HAS_MAP=expert_map_E is not None, OUT_GROUP=c_group,
         BLOCK_M=tile.BLOCK_M, BLOCK_N=tile.BLOCK_N, BLOCK_K=tile.BLOCK_K, GROUP_M=tile.GROUP_M,
-        PERSISTENT=persistent,
-        num_warps=tile.num_warps, num_stages=tile.num_stages,
+        PERSISTENT=persistent, GDC=gdc, PDL=pdl,
+        num_warps=tile.num_warps, num_stages=tile.num_stages, **launch,
     )
     return c
 

@@ -12,7 +12,9 @@ import torch
 import triton
 import triton.language as tl
 
-from moe_modular.kernels.host import cdiv, next_pow2
+from triton.language.extra.cuda import gdc_wait
+
+from moe_modular.kernels.host import cdiv, gpu_has_tma, next_pow2
 
 # Programs a launch aims for on a GPU: small batches are split into blocks of down to MIN_BLOCK elements
 # so that enough loads are in flight (a handful of programs looping over the routes is latency-bound).
@@ -24,7 +26,10 @@ MAX_BLOCK = 4096
 @triton.jit
 def _moe_sum_kernel(y_ptr, out_ptr, topk_ids_ptr, expert_map_ptr, T, K, num_local_experts,
                     stride_ym, stride_yk, stride_om, stride_ok, stride_it, stride_ik,
-                    HAS_MAP: tl.constexpr, TOPK: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr):
+                    HAS_MAP: tl.constexpr, TOPK: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr,
+                    PDL: tl.constexpr):
+    if PDL:  # launched while the kernel before (which wrote y) finishes: wait for it
+        gdc_wait()
     offs_t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     offs_k = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
     t_mask = offs_t < T
@@ -49,10 +54,13 @@ def moe_sum(
     out_TK: torch.Tensor,
     num_local_experts: int,
     expert_map_E: Optional[torch.Tensor] = None,
+    pdl: bool = False,
 ) -> torch.Tensor:
     """Sum y_RK (R, K) route rows into out_TK (T, K) (any float dtypes; float32 accumulation).
 
     topk_ids_Tk (T, k) int: local ids, or global ids with expert_map_E (E,) int32 (-1 not held).
+    pdl (a GPU of compute capability >= 9; ignored elsewhere): launched as a programmatic dependent of the
+    kernel before it, which must be what wrote y_RK (topk_ids_Tk and expert_map_E complete before it started).
     """
     T, k = topk_ids_Tk.shape
     K = out_TK.shape[1]
@@ -63,9 +71,12 @@ def moe_sum(
     block_t, block_k, warps = sum_blocks(T, K, out_TK.is_cuda)
     grid = (cdiv(T, block_t), cdiv(K, block_k))
     has_map = expert_map_E is not None
+    pdl = pdl and gpu_has_tma(out_TK.device)
+    launch = {"launch_pdl": True} if pdl else {}
     _moe_sum_kernel[grid](y_RK, out_TK, topk_ids_Tk, expert_map_E if has_map else topk_ids_Tk, T, K,
                           num_local_experts, *y_RK.stride(), *out_TK.stride(), *topk_ids_Tk.stride(),
-                          HAS_MAP=has_map, TOPK=k, BLOCK_T=block_t, BLOCK_K=block_k, num_warps=warps)
+                          HAS_MAP=has_map, TOPK=k, BLOCK_T=block_t, BLOCK_K=block_k, PDL=pdl, num_warps=warps,
+                          **launch)
     return out_TK
 
 

@@ -1,11 +1,16 @@
-"""Compile moe_gemm_ws's Gluon kernel for sm_90a on any machine (no GPU) and print what it became, as one
-JSON line: {"wgmma": bool, "cp_async_arrive": bool, "shared": bytes, "local_bytes": int or null}.
+"""Compile a kernel for sm_90a on any machine (no GPU) and print what it became, as one JSON line.
 
-    TRITON_INTERPRET=0 python -m tests.gluon_compile_check FUSED GATHER BLOCK_M BLOCK_N BLOCK_K GROUP_M WARPS STAGES
+    TRITON_INTERPRET=0 python -m tests.sm90_compile_check ws FUSED GATHER BLOCK_M BLOCK_N BLOCK_K GROUP_M WARPS STAGES
+    TRITON_INTERPRET=0 python -m tests.sm90_compile_check pdl PER_ROUTE PERSISTENT
+
+ws: moe_gemm_ws's Gluon kernel: {"wgmma": bool, "cp_async_arrive": bool, "shared": bytes, "local_bytes": int
+or null}. pdl: moe_gemm's Triton kernel as a second GEMM launched with tile.pdl (per-route or standard blocks,
+persistent or not): {"wait": n, "launch_dependents": n, "launch_pdl": bool}, the counts of griddepcontrol.wait
+and griddepcontrol.launch_dependents in its PTX.
 
 Used by tests/test_triton_kernels.py in a process of its own (a process that has run kernels in
-Triton's interpreter cannot compile Gluon). local_bytes is the cubin's local memory (register spills) per
-the cuobjdump triton ships, null where it ships none.
+Triton's interpreter cannot compile them for a GPU). local_bytes is the cubin's local memory (register spills)
+per the cuobjdump triton ships, null where it ships none.
 """
 from __future__ import annotations
 
@@ -19,11 +24,15 @@ import tempfile
 import torch
 import triton
 from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
 from triton.experimental.gluon._runtime import GluonASTSource
 from triton.runtime.jit import mangle_type
 
+from moe_modular.kernels import moe_gemm as G
 from moe_modular.kernels import moe_gemm_ws as W
 from moe_modular.kernels.moe_gemm import GemmTile
+
+TARGET = GPUTarget("cuda", 90, 32)
 
 # Arguments the launch would see 16-byte aligned (the JIT's divisibility specialization).
 ALIGNED = ("a_ptr", "c_ptr", "sorted_ids_ptr", "block_expert_ptr", "stride_am", "stride_cm", "K", "N")
@@ -49,7 +58,30 @@ def compile_ws(fused: bool, gather: bool, tile: GemmTile):
     src = GluonASTSource(W._moe_gemm_ws_kernel, {**{k: mangle_type(v) for k, v in args.items()},
                                                  **{k: "constexpr" for k in consts}}, constexprs=consts,
                          attrs={(names.index(n),): [["tt.divisibility", 16]] for n in ALIGNED})
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": tile.num_warps})
+    return triton.compile(src, target=TARGET, options={"num_warps": tile.num_warps})
+
+
+def compile_pdl_gemm2(per_route: bool, persistent: int):
+    """moe_gemm's kernel for sm_90a as a Qwen3-sized bf16 second GEMM with tile.pdl would launch it."""
+    b = torch.empty(8, 2048, 768, dtype=torch.bfloat16)
+    tensors = dict(a_ptr=torch.empty(64, 768, dtype=torch.bfloat16), b_ptr=b,
+                   c_ptr=torch.empty(64, 2048, dtype=torch.bfloat16), topk_weights_ptr=torch.empty(8, 8))
+    consts = dict(A_ROW_DIV=1, BATCHED=False, A_SCALE=G.AScale.NONE.value, B_SCALE=G.BScale.NONE.value, GROUP_N=1,
+                  GROUP_K=1, MUL_WEIGHT=True, EVEN_K=True, DOT_PRECISION="tf32", FUSE_ACT=False, ACTIVATION=0,
+                  B_TMA=False, A_SORTED=False, C_SORTED=False, A_TMA=False, PER_ROUTE=per_route, HAS_MAP=False,
+                  OUT_GROUP=0, BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, GROUP_M=1, PERSISTENT=persistent, GDC=True,
+                  PDL=True)
+    kernel = G._moe_gemm_kernel
+    signature = {}
+    for name, param in zip(kernel.arg_names, kernel.params):
+        if param.is_constexpr:
+            signature[name] = "constexpr"
+        elif name in tensors:
+            signature[name] = mangle_type(tensors[name])
+        else:  # the other pointers: int32 routing and float32 scales, none read here; integers
+            signature[name] = ("*fp32" if "scale" in name else "*i32") if name.endswith("_ptr") else "i32"
+    return triton.compile(ASTSource(kernel, signature, constexprs=consts), target=TARGET,
+                          options={"num_warps": 4, "num_stages": 3, "launch_pdl": True})
 
 
 def local_bytes(cubin: bytes):
@@ -66,7 +98,16 @@ def local_bytes(cubin: bytes):
 
 
 def main(argv: list[str]) -> int:
-    fused, gather, *fields = (int(v) for v in argv)
+    what, *numbers = argv
+    if what == "pdl":
+        per_route, persistent = (int(v) for v in numbers)
+        kernel = compile_pdl_gemm2(bool(per_route), persistent)
+        ptx = kernel.asm["ptx"]
+        print(json.dumps({"wait": ptx.count("griddepcontrol.wait"),
+                          "launch_dependents": ptx.count("griddepcontrol.launch_dependents"),
+                          "launch_pdl": bool(kernel.metadata.launch_pdl)}))
+        return 0
+    fused, gather, *fields = (int(v) for v in numbers)
     kernel = compile_ws(bool(fused), bool(gather), GemmTile(*fields))
     ptx = kernel.asm["ptx"]
     print(json.dumps({"wgmma": "wgmma.mma_async" in ptx, "cp_async_arrive": "cp.async.mbarrier.arrive" in ptx,
