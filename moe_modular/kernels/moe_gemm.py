@@ -422,8 +422,9 @@ def moe_gemm(
       with a_sorted or batched, whose block rows are contiguous); elsewhere pointers, same values.
     tile.persistent (standard format): min(tiles, SMs) programs walk the tiles of the filled blocks
       (1), with the loop nest flattened (2); same values, only the schedule differs.
-    tile.pdl (a GPU of compute capability >= 9; the warp-specialized kernel ignores it): launched as a programmatic dependent of the kernel before it, whose
-      end its programs wait for before they read anything; same values, the launch gap overlaps.
+    tile.pdl (a GPU of compute capability >= 9; the warp-specialized kernel ignores it): launched as a
+      programmatic dependent of the kernel before it, whose end its programs wait for before they read
+      anything; same values, the launch gap overlaps.
     tile.ws: the warp-specialized Hopper kernel of moe_gemm_ws.py where ws_applies (standard format, 16-bit
       operands without scales, a Hopper-class GPU; A sorted, or gathered by the kernel in whole K tiles);
       elsewhere this kernel, same values.

@@ -11,7 +11,6 @@ from typing import Optional
 import torch
 import triton
 import triton.language as tl
-
 from triton.language.extra.cuda import gdc_wait
 
 from moe_modular.kernels.host import cdiv, gpu_has_tma, next_pow2
@@ -28,7 +27,7 @@ def _moe_sum_kernel(y_ptr, out_ptr, topk_ids_ptr, expert_map_ptr, T, K, num_loca
                     stride_ym, stride_yk, stride_om, stride_ok, stride_it, stride_ik,
                     HAS_MAP: tl.constexpr, TOPK: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr,
                     PDL: tl.constexpr):
-    if PDL:  # launched while the kernel before (which wrote y) finishes: wait for it
+    if PDL:  # placed while the kernel before (the one writing y) finishes: wait for its end
         gdc_wait()
     offs_t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     offs_k = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
@@ -60,7 +59,7 @@ def moe_sum(
 
     topk_ids_Tk (T, k) int: local ids, or global ids with expert_map_E (E,) int32 (-1 not held).
     pdl (a GPU of compute capability >= 9; ignored elsewhere): launched as a programmatic dependent of the
-    kernel before it, which must be what wrote y_RK (topk_ids_Tk and expert_map_E complete before it started).
+    kernel before it, whose end its programs wait for before they read anything.
     """
     T, k = topk_ids_Tk.shape
     K = out_TK.shape[1]
