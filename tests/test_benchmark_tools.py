@@ -124,8 +124,11 @@ def test_tune_smoke_writes_a_table_tile_config_reads(tmp_path):
     assert list(buckets) == [8]
     with open(tmp_path / "tune_moe.csv") as f:
         trials = list(csv.DictReader(f))
-    # the smoke tiles plus the incumbent (what TritonExperts picks today: the CPU default heuristic)
-    assert len(trials) == len(tune_moe.SMOKE_SPACE) + 1
+    # the smoke tiles plus the incumbent (what TritonExperts picks today: the CPU default heuristic), then the
+    # launch option the CPU has (a persistent second GEMM) on the best of them
+    stage = [int(t["stage"]) for t in trials]
+    assert stage == [1] * (len(tune_moe.SMOKE_SPACE) + 1) + [3]
+    assert int(trials[-1]["g2_persistent"]) == 2
     now = tune_moe.incumbent(TileConfigTable.load(), shape, tune_moe.QUANTS["bf16"], 8, "cpu")
     assert [int(trials[0][f"g1_{f}"]) for f in ("BLOCK_M", "BLOCK_N", "BLOCK_K")] == [
         now.gemm1.BLOCK_M, now.gemm1.BLOCK_N, now.gemm1.BLOCK_K]
@@ -162,6 +165,25 @@ def test_tune_merge_keeps_untuned_buckets_and_times_the_shipped_tile(tmp_path, m
     assert tune_moe.main(["--smoke", "--no-merge", "--out", str(tmp_path / "only")]) == 0
     with open(tmp_path / "only" / TileConfigTable.file_name(key)) as f:
         assert sorted(TileConfigTable.parse(yaml.safe_load(f))[1]) == [8]
+
+
+def test_tune_launch_options_follow_the_device_and_the_tiles():
+    from moe_modular.kernels.moe_gemm import GemmTile
+    from moe_modular.tile_config import TileConfig
+    from tools import tune_moe
+
+    wide = TileConfig(GemmTile(128, 256, 64, 8, 8, 4, b_tma=1), GemmTile(128, 256, 64, 8, 8, 4))
+    got = tune_moe.launch_options(wide, hopper=True, unquantized=True)
+    assert [(c.gemm1.pdl, c.gemm2.pdl, c.gemm2.persistent, c.gemm1.ws, c.gemm2.ws, c.gemm1.a_tma) for c in got] == [
+        (0, 0, 2, 0, 0, 0), (0, 1, 0, 0, 0, 0), (1, 1, 0, 0, 0, 0), (0, 0, 0, 1, 1, 1)]
+    assert len(got) <= tune_moe.MAX_LAUNCH_OPTIONS
+    # no warp-specialized kernel for fp8 or for 16-row tiles; before Hopper only the persistent launch; a
+    # best that already has an option is not timed again
+    assert len(tune_moe.launch_options(wide, hopper=True, unquantized=False)) == 3
+    narrow = TileConfig(GemmTile(16, 64, 128), GemmTile(16, 64, 128, persistent=2))
+    assert [c.gemm2.pdl for c in tune_moe.launch_options(narrow, hopper=True, unquantized=True)] == [1, 1]
+    assert tune_moe.launch_options(wide, hopper=False, unquantized=True) == [
+        TileConfig(wide.gemm1, GemmTile(128, 256, 64, 8, 8, 4, persistent=2))]
 
 
 def test_tune_gemm2_candidates_skip_what_was_timed():

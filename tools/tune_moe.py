@@ -11,7 +11,10 @@ forward (NoEP PF) replayed from a CUDA graph with an L2 flush before each repeti
      incumbent: the tiles TritonExperts picks today (the shipped table's entry, or the default
      heuristic), so a tuned bucket is never slower than what it replaces in the same run;
   2. with the best first GEMM kept (both GEMMs share the alignment block), the second GEMM's
-     BLOCK_N / BLOCK_K / GROUP_M / num_warps / num_stages over the same space.
+     BLOCK_N / BLOCK_K / GROUP_M / num_warps / num_stages over the same space;
+  3. the best tiles so far with each launch option that can change their speed on this device
+     (launch_options: a persistent second GEMM; on Hopper and later also programmatic dependent
+     launches, and the warp-specialized kernel for unquantized tiles it takes).
 Writes OUT/<TileConfigTable.file_name(key)> per (shape, scheme) (copy into moe_modular/configs/ to
 ship it; buckets of the shipped table that this run did not tune are carried over unless
 --no-merge) and OUT/tune_moe.csv with every trial. A candidate that fails to compile or launch
@@ -27,7 +30,7 @@ import os
 import random
 import sys
 import time
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from typing import Callable, Optional
 
 import torch
@@ -134,6 +137,31 @@ def gemm2_candidates(best: tuple, pool: list[tuple], tried: tuple = (),
     return out
 
 
+def launch_options(best, *, hopper: bool, unquantized: bool) -> list:
+    """Stage-3 configurations: `best` (a TileConfig) with one launch option each, those that differ from it:
+    the second GEMM persistent (2: loop nest flattened); on Hopper and later (hopper) the second GEMM, or
+    both GEMMs, launched as programmatic dependents (pdl), and, unquantized, both GEMMs in the
+    warp-specialized kernel on sorted rows (ws with a_tma) where the tiles suit it (BLOCK_M and warps)."""
+    from moe_modular.kernels.moe_gemm import WS_MIN_BLOCK_M, WS_WARPS
+    from moe_modular.tile_config import TileConfig
+
+    g1, g2 = best.gemm1, best.gemm2
+    out = [TileConfig(g1, replace(g2, persistent=2))]
+    if hopper:
+        out += [TileConfig(g1, replace(g2, pdl=1)), TileConfig(replace(g1, pdl=1), replace(g2, pdl=1))]
+        if unquantized and g1.BLOCK_M >= WS_MIN_BLOCK_M and {g1.num_warps, g2.num_warps} <= set(WS_WARPS):
+            out.append(TileConfig(replace(g1, ws=1, a_tma=1), replace(g2, ws=1, a_tma=1)))
+    unique = []
+    for cfg in out:
+        if cfg != best and cfg not in unique:
+            unique.append(cfg)
+    return unique
+
+
+# The most stage-3 configurations launch_options returns (the progress bar's count per bucket).
+MAX_LAUNCH_OPTIONS = 4
+
+
 def incumbent(table, shape: Shape, qc, M: int, device: str):
     """The tiles TritonExperts would use today for this problem (shipped table or default heuristic)."""
     return table.select(M, shape.E, shape.N, shape.K, shape.topk, torch.bfloat16, qc, device)
@@ -185,6 +213,8 @@ def parse_args(argv=None):
                    help="fp8-block: the intermediate's activation and group quantization in the first GEMM's epilogue "
                         "(on; tiles whose BLOCK_N / 2 holds whole groups) or in act_and_mul (off), or both ways")
     p.add_argument("--no-gemm2", dest="gemm2", action="store_false", help="skip stage 2 (gemm2 overrides)")
+    p.add_argument("--no-options", dest="options", action="store_false",
+                   help="skip stage 3 (launch options: persistent, pdl, ws) on the best tiles")
     p.add_argument("--no-incumbent", dest="incumbent", action="store_false",
                    help="do not time the tiles TritonExperts picks today as a stage-1 candidate")
     p.add_argument("--no-merge", dest="merge", action="store_false",
@@ -197,13 +227,13 @@ def parse_args(argv=None):
     args = p.parse_args(argv)
     shapes = resolve_shapes_and_quants(p, args, smoke_default=["tiny"])
     args.ms = args.ms or ([8] if args.smoke else BENCH_MS)
-    if args.b_tma is None:  # descriptors fall back to pointers without TMA: timing both would repeat trials
-        has_tma = False
-        if torch.cuda.is_available():  # (no triton import on the CPU: --smoke selects the interpreter later)
-            from moe_modular.kernels.moe_gemm import gpu_has_tma
+    args.hopper = False  # compute capability >= 9: TMA, programmatic dependent launch, the Gluon kernel
+    if torch.cuda.is_available():  # (no triton import on the CPU: --smoke selects the interpreter later)
+        from moe_modular.kernels.host import gpu_has_tma
 
-            has_tma = gpu_has_tma(torch.device("cuda", torch.cuda.current_device()))
-        args.b_tma = "both" if has_tma else "off"
+        args.hopper = gpu_has_tma(torch.device("cuda", torch.cuda.current_device()))
+    if args.b_tma is None:  # descriptors fall back to pointers without TMA: timing both would repeat trials
+        args.b_tma = "both" if args.hopper else "off"
     ways = {"off": (0,), "on": (1,), "both": (0, 1)}
     args.b_tma, args.a_tma, args.act_q = ways[args.b_tma], ways[args.a_tma], ways[args.act_q]
     if args.smoke:
@@ -249,7 +279,7 @@ def main(argv=None) -> int:
                 plans.append((M, pool))
 
             def per_bucket(pool: list) -> int:
-                return (len(pool) + args.incumbent) * (2 if args.gemm2 else 1)
+                return (len(pool) + args.incumbent) * (2 if args.gemm2 else 1) + MAX_LAUNCH_OPTIONS * args.options
 
             total = sum(per_bucket(pool) for _, pool in plans)
             bar = ProgressBar(total, f"{shape_key} {quant_key}")
@@ -292,8 +322,14 @@ def main(argv=None) -> int:
                                             lambda t: args.space == "smoke" or _fits(t, elt, per_expert, limit))
                     for t2 in todo:
                         run(TileConfig(g1, _tile(t2)), 2)
+                options = []
+                if results and args.options:
+                    options = launch_options(min(results, key=lambda r: r[0])[1], hopper=args.hopper,
+                                             unquantized=not qc.is_quantized)
+                    for cfg in options:
+                        run(cfg, 3)
                 # the bar counted every bucket at its most trials; settle the ones this bucket skipped
-                bar.update(max(0, per_bucket(pool) - len(stage1) - len(todo)))
+                bar.update(max(0, per_bucket(pool) - len(stage1) - len(todo) - len(options)))
                 if results:
                     buckets[M] = min(results, key=lambda r: r[0])[1]
                 del sets, trial
