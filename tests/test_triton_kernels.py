@@ -571,6 +571,25 @@ def test_moe_gemm_ws_chain_matches_oracle(gather, gemm1_block_n, block_m, num_wa
     _check_chain(x, w1, w2, topk_w, ids, sorted_ids, num_pp, inter, y, activation, inter_sorted=not gather)
 
 
+def test_gpu_has_tma_reads_the_capability_once_per_gpu(monkeypatch):
+    # asked on every launch: the capability of each GPU is read once (a device without an index is the
+    # current one); CPU devices never ask
+    from moe_modular.kernels import host
+
+    calls = []
+    capability = {0: (9, 0), 1: (8, 6)}
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda i: calls.append(i) or capability[i])
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
+    host._capability_major.cache_clear()
+    try:
+        assert host.gpu_has_tma(torch.device("cuda", 0)) and host.gpu_has_tma(torch.device("cuda", 0))
+        assert not host.gpu_has_tma(torch.device("cuda")) and not host.gpu_has_tma(torch.device("cuda", 1))
+        assert not host.gpu_has_tma(torch.device("cpu"))
+        assert calls == [0, 1]
+    finally:
+        host._capability_major.cache_clear()
+
+
 def _sm90_compile_check(*args) -> dict:
     """tests/sm90_compile_check.py's JSON for `args`, run in a process of its own: kernels run in Triton's
     interpreter earlier in this one leave triton.language patched, and the compile then fails."""

@@ -1,6 +1,8 @@
 """Host-side helpers for kernel launches (plain Python: called on every forward)."""
 from __future__ import annotations
 
+import functools
+
 import torch
 
 
@@ -17,5 +19,13 @@ def next_pow2(x: int) -> int:
 
 def gpu_has_tma(device: torch.device) -> bool:
     """Whether `device` is a GPU of compute capability >= 9 (Hopper and later): the tensor memory accelerator,
-    and programmatic dependent launch with grid dependency control (griddepcontrol)."""
-    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
+    and programmatic dependent launch with grid dependency control (griddepcontrol). Asked on every launch, so
+    the capability is read once per GPU."""
+    if device.type != "cuda":
+        return False
+    return _capability_major(torch.cuda.current_device() if device.index is None else device.index) >= 9
+
+
+@functools.lru_cache(maxsize=None)
+def _capability_major(index: int) -> int:
+    return torch.cuda.get_device_capability(index)[0]
