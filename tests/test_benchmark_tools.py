@@ -297,3 +297,53 @@ def test_ab_tiles_reports_a_variant_that_cannot_run_and_keeps_timing_the_others(
     assert best["base"] == (pytest.approx(2.1), "") and best["fast"] == (pytest.approx(1.2), "")
     assert best["broken"][0] == float("inf") and "out of resources" in best["broken"][1]
     assert calls.count("broken") == 1  # a failed variant is not retried
+
+
+# ---- tools/routing_cost.py ------------------------------------------------------------------
+def test_routing_cost_balanced_ids_give_every_expert_the_same_routes():
+    from tools import routing_cost
+
+    ids = routing_cost.balanced_ids(48, 4, 16, torch.device("cpu"))
+    assert ids.shape == (48, 4) and ids.dtype == torch.int32
+    assert torch.bincount(ids.reshape(-1).long(), minlength=16).tolist() == [12] * 16
+    assert all(len(set(row)) == 4 for row in ids.tolist())  # a token's routes hit distinct experts
+    with pytest.raises(ValueError, match=r"M \(5\) \* topk \(4\) must be a multiple of E \(16\)"):
+        routing_cost.balanced_ids(5, 4, 16, torch.device("cpu"))
+    with pytest.raises(ValueError, match=r"topk \(4\) must be at most E \(2\)"):
+        routing_cost.balanced_ids(4, 4, 2, torch.device("cpu"))
+
+
+def test_routing_cost_counts_padded_rows_per_expert():
+    from tools import routing_cost
+
+    # expert 0: 3 routes, expert 1: 17, expert 2: none, expert 3: 16 -> 16 + 32 + 0 + 16 rows of 16-row blocks
+    ids = torch.tensor([0] * 3 + [1] * 17 + [3] * 16)[torch.randperm(36)].view(12, 3)
+    assert routing_cost.padded_rows(ids, 4, 16) == 64
+    assert routing_cost.padded_rows(ids, 4, 1) == 36
+
+
+def test_routing_cost_smoke_times_both_routings_and_bmm(tmp_path):
+    from tools import routing_cost
+
+    assert routing_cost.main(["--smoke", "--shapes", "tiny-e16", "-m", "16", "--out", str(tmp_path)]) == 0
+    with open(tmp_path / "routing_cost.csv") as f:
+        rows = list(csv.DictReader(f))
+    assert len(rows) == 1
+    r = rows[0]
+    E, routes, bm = int(r["E"]), int(r["routes"]), int(r["block_m"])
+    assert routes == 16 * 4 and E == 16
+    assert int(r["rows_balanced"]) == E * math.ceil(routes // E / bm) * bm
+    assert routes <= int(r["rows_random"]) <= E * math.ceil(routes / bm) * bm
+    for k in ("random", "balanced", "bmm"):
+        assert float(r[f"us_{k}"]) > 0
+        assert float(r[f"tflops_{k}"]) == pytest.approx(2 * routes * 3 * 64 * 128 / float(r[f"us_{k}"]) / 1e6)
+    for k in ("random", "balanced"):
+        assert float(r[f"err_{k}"]) < 2 * torch.finfo(torch.bfloat16).eps
+
+
+def test_routing_cost_rejects_an_m_that_cannot_be_balanced(capsys):
+    from tools import routing_cost
+
+    with pytest.raises(SystemExit):
+        routing_cost.parse_args(["--smoke", "--shapes", "tiny", "-m", "3"])
+    assert "-m (3): M * topk (2) must be a positive multiple of E (8) for shape tiny" in capsys.readouterr().err

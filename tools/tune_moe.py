@@ -179,12 +179,15 @@ class Trial:
         self.pf = MoEPrepareAndFinalizeNoEP.make(self.moe)
         self.weights, self.sets, self.timer = weights, sets, timer
 
-    def __call__(self, tile_config) -> float:
+    def kernel(self, tile_config):
+        """The modular kernel (NoEP PF, TritonExperts with these tiles) the trial times."""
         from moe_modular.experts.triton_experts import TritonExperts
         from moe_modular.modular_kernel import FusedMoEModularKernel
 
-        fe = TritonExperts(self.moe, self.weights.qp, tile_config=tile_config)
-        mk = FusedMoEModularKernel(self.pf, fe)
+        return FusedMoEModularKernel(self.pf, TritonExperts(self.moe, self.weights.qp, tile_config=tile_config))
+
+    def __call__(self, tile_config) -> float:
+        mk = self.kernel(tile_config)
         w = self.weights
         fns = [(lambda s=s: mk(s.x, w.w1, w.w2, s.topk_weights, s.topk_ids)) for s in self.sets]
         if self.timer.cuda:
