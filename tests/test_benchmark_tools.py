@@ -339,6 +339,22 @@ def test_routing_cost_smoke_times_both_routings_and_bmm(tmp_path):
         assert float(r[f"tflops_{k}"]) == pytest.approx(2 * routes * 3 * 64 * 128 / float(r[f"us_{k}"]) / 1e6)
     for k in ("random", "balanced"):
         assert float(r[f"err_{k}"]) < 2 * torch.finfo(torch.bfloat16).eps
+    assert float(r["l2_read_Bps"]) > 0 and float(r["bf16_flops"]) > 0
+
+
+def test_l2_read_checks_that_every_program_read_its_blocks(monkeypatch):
+    from tools import l2_read
+
+    timer = bm.Timer(torch.device("cpu"), rep_ms=1.0, min_reps=1, max_reps=2)
+    assert l2_read.l2_read_Bps(timer, smoke=True) > 0
+
+    class Skipped:  # a launch that reads nothing: the output keeps its NaN poison
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: None
+
+    monkeypatch.setattr(l2_read, "_l2_read_kernel", Skipped())
+    with pytest.raises(RuntimeError, match="sums are not 4"):
+        l2_read.l2_read_Bps(timer, smoke=True)
 
 
 def test_routing_cost_rejects_an_m_that_cannot_be_balanced(capsys):

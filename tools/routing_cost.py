@@ -13,8 +13,9 @@ padding. Per cell, bf16, the shipped tiles:
 - bmm: torch.bmm over the experts on the balanced rows, first GEMM (rows, K) x (K, 2N), second (rows, N) x
   (N, K): the same useful flops with no padding, token gather, activation or top-k sum.
 The three alternate for --rounds rounds, each keeping its best. TFLOP/s count useful work (2 * M * k * 3 * N * K);
-"of rate" divides by the bf16 matmul rate measured at the start (8192^3 torch.mm). Prints a table last and
-writes OUT/routing_cost.csv.
+"of rate" divides by the bf16 matmul rate measured at the start (8192^3 torch.mm); the L2 read bandwidth
+(tools/l2_read.py) is measured there too, for what a tile can be fed from L2. Prints a table last and writes
+OUT/routing_cost.csv.
 """
 from __future__ import annotations
 
@@ -42,7 +43,7 @@ from tools.tune_moe import Trial, incumbent, trial_context
 
 CSV_FIELDS = ("shape", "M", "topk", "E", "routes", "block_m", "rows_random", "rows_balanced", "us_random",
               "us_balanced", "us_bmm", "tflops_random", "tflops_balanced", "tflops_bmm", "err_random",
-              "err_balanced", "bf16_flops")
+              "err_balanced", "bf16_flops", "l2_read_Bps")
 LABELS = ("random", "balanced", "bmm")
 
 
@@ -143,7 +144,10 @@ def main(argv=None) -> int:
     args, shapes = parse_args(argv)
     device, timer, shipped, dev_key = trial_context(args)
     qc = QUANTS["bf16"]
+    from tools.l2_read import l2_read_Bps
+
     ceil = measure_ceilings(timer, args.smoke)
+    l2 = l2_read_Bps(timer, args.smoke)
     rows: list[dict] = []
     failed = False
     for shape_key in args.shapes:
@@ -174,7 +178,7 @@ def main(argv=None) -> int:
             best = time_variants(lambda fn: fn(), runs, args.rounds)
             flops = 2 * routes * 3 * shape.N * shape.K
             row = {"shape": shape_key, "M": M, "topk": shape.topk, "E": shape.E, "routes": routes,
-                   "block_m": cfg.block_m, "bf16_flops": ceil["bf16_flops"],
+                   "block_m": cfg.block_m, "bf16_flops": ceil["bf16_flops"], "l2_read_Bps": l2,
                    "rows_random": padded_rows(sets[0].topk_ids, shape.E, cfg.block_m),
                    "rows_balanced": padded_rows(by_routing["balanced"][0].topk_ids, shape.E, cfg.block_m),
                    "err_random": errs["random"], "err_balanced": errs["balanced"]}
@@ -193,6 +197,7 @@ def main(argv=None) -> int:
         if device.type == "cuda":
             torch.cuda.empty_cache()
     write_csv(os.path.join(args.out, "routing_cost.csv"), rows, CSV_FIELDS)
+    print(f"L2 read {l2 / 1e12:.2f} TB/s (tools/l2_read.py)")
     print(f"bf16 matmul rate {ceil['bf16_flops'] / 1e12:.1f} TFLOP/s ({ceil['matmul_n']}^3 torch.mm)")
     print(table(rows))
     return 1 if failed else 0
