@@ -1,4 +1,4 @@
-"""L2 read bandwidth: many programs reading a buffer that fits in L2 over and over (plain loads).
+"""L2 read bandwidth: many programs reading a buffer that fits in L2 over and over (loads that skip L1).
 
     l2_read_Bps(timer)   # bytes per second, timed with the caller's tools.benchmark_moe.Timer
 
@@ -13,12 +13,13 @@ import triton.language as tl
 
 @triton.jit
 def _l2_read_kernel(x_ptr, out_ptr, nblocks, iters, BLOCK: tl.constexpr):
-    """Program p sums blocks p, p + 1, ... (mod nblocks) of x, iters of them, into its BLOCK of out."""
+    """Program p sums blocks 7p, 7p + 1, ... (mod nblocks) of x, iters of them, into its BLOCK of out. The loads
+    skip L1 (.cg), so programs that share an SM and reread a block still read it from L2."""
     pid = tl.program_id(0)
     offs = tl.arange(0, BLOCK)
     acc = tl.zeros([BLOCK], tl.float32)
     for i in range(iters):
-        acc += tl.load(x_ptr + ((pid + i) % nblocks) * BLOCK + offs)
+        acc += tl.load(x_ptr + ((pid * 7 + i) % nblocks) * BLOCK + offs, cache_modifier=".cg")
     tl.store(out_ptr + pid * BLOCK + offs, acc)
 
 
