@@ -26,6 +26,12 @@ def gpu_has_tma(device: torch.device) -> bool:
     return _capability_major(torch.cuda.current_device() if device.index is None else device.index) >= 9
 
 
+def pdl_launch(want: bool, device: torch.device) -> dict:
+    """The launch keywords of a programmatic dependent launch: {"launch_pdl": True} where it is wanted and
+    `device` has it (gpu_has_tma), else none (the interpreter and older GPUs take no such option)."""
+    return {"launch_pdl": True} if want and gpu_has_tma(device) else {}
+
+
 @functools.lru_cache(maxsize=None)
 def _capability_major(index: int) -> int:
     return torch.cuda.get_device_capability(index)[0]
