@@ -10,6 +10,8 @@ from typing import Optional
 
 import torch
 
+_MAX_VIEWS = 4096
+
 
 class WorkspaceCache:
     """Flat grow-only buffers keyed by (slot name, device, dtype).
@@ -23,25 +25,36 @@ class WorkspaceCache:
         """poison: a value every new buffer is filled with (tests pass NaN so unwritten rows show)."""
         self.poison = poison
         self._buffers: dict[tuple[str, torch.device, torch.dtype], torch.Tensor] = {}
+        # the views handed out, per request, over the current buffers (dropped with their buffer)
+        self._views: dict[tuple, torch.Tensor] = {}
         self.num_allocations = 0
 
     def get(self, name: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        request = (name, shape, dtype, device)
+        view = self._views.get(request)
+        if view is not None:  # the same view object again: this runs on every forward
+            return view
         numel = math.prod(shape)
         key = (name, torch.device(device), dtype)
         buf = self._buffers.get(key)
         if buf is None or buf.numel() < numel:
-            # Free the old buffer before taking the larger one.
+            # Free the old buffer (and the views over it) before taking the larger one.
             self._buffers.pop(key, None)
+            self._views = {r: v for r, v in self._views.items() if r[0] != name or r[2] != dtype}
             del buf
             buf = torch.empty(max(numel, 1), dtype=dtype, device=device)
             if self.poison is not None and (dtype.is_floating_point or dtype.is_complex):
                 buf.fill_(self.poison)
             self._buffers[key] = buf
             self.num_allocations += 1
-        return buf[:numel].view(shape)
+        if len(self._views) >= _MAX_VIEWS:  # a server sees many batch sizes: keep the memo bounded
+            self._views.clear()
+        view = self._views[request] = buf[:numel].view(shape)
+        return view
 
     def nbytes(self) -> int:
         return sum(b.numel() * b.element_size() for b in self._buffers.values())
 
     def clear(self) -> None:
         self._buffers.clear()
+        self._views.clear()

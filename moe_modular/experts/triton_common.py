@@ -145,6 +145,9 @@ class WorkspaceLayout:
     def __init__(self) -> None:
         self._regions: list[tuple[str, tuple[int, ...], torch.dtype, int]] = []
         self._bytes = 0
+        # carve's views of the last workspaces, by (address, bytes): the views hold their storage, so no other
+        # tensor can have the same address while an entry lives
+        self._carved = BoundedMemo(limit=4)
 
     def add(self, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> "WorkspaceLayout":
         n = 1
@@ -160,6 +163,11 @@ class WorkspaceLayout:
         return max(1, -(-self._bytes // item))
 
     def carve(self, ws: torch.Tensor) -> dict[str, torch.Tensor]:
+        """{name: view} over ws (the same view objects for the same memory: carve runs on every forward)."""
+        key = (ws.data_ptr(), ws.numel() * ws.element_size(), ws.device)
+        return self._carved.get_or_make(key, lambda: self._carve(ws))
+
+    def _carve(self, ws: torch.Tensor) -> dict[str, torch.Tensor]:
         flat = ws.reshape(-1)
         nbytes = flat.numel() * flat.element_size()
         if nbytes < self._bytes:

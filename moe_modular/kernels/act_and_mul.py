@@ -14,6 +14,7 @@ import triton
 import triton.language as tl
 
 from moe_modular.kernels.host import cdiv, next_pow2
+from moe_modular.kernels.launcher import launch
 
 from moe_modular.config import Activation
 from moe_modular.kernels.moe_align import _local_expert_of_route
@@ -286,7 +287,7 @@ def act_and_mul(
         if amax_El is None:
             amax_El = torch.empty(num_local_experts, dtype=torch.float32, device=x_RN2.device)
         amax_El.zero_()
-        _act_and_mul_kernel[grid](x_RN2, out_RN, sc, amax_El, *ptrs, *sizes, QUANT=_Q_AMAX_PASS, **common)
-    _act_and_mul_kernel[grid](x_RN2, out_RN, sc, amax_El if amax_El is not None else dummy, *ptrs, *sizes,
-                              QUANT=_Q_CODE[quant], **common)
+        launch(_act_and_mul_kernel, grid, x_RN2, out_RN, sc, amax_El, *ptrs, *sizes, QUANT=_Q_AMAX_PASS, **common)
+    launch(_act_and_mul_kernel, grid, x_RN2, out_RN, sc, amax_El if amax_El is not None else dummy, *ptrs, *sizes,
+           QUANT=_Q_CODE[quant], **common)
     return out_RN, scale

@@ -27,6 +27,7 @@ import triton
 import triton.language as tl
 
 from moe_modular.kernels.host import cdiv, next_pow2
+from moe_modular.kernels.launcher import launch
 
 # Routes per program in the scatter kernel (the in-chunk rank is a BLOCK x BLOCK compare).
 ALIGN_BLOCK = 128
@@ -249,20 +250,20 @@ def moe_align(
     start = buffers["expert_start"][:Eb]
     blocks_per_iter = max(1, min(64, 8192 // Eb))
     if P == 1:  # one launch for decode-sized batches
-        _align_small_kernel[(1,)](ids, emap, start, sorted_ids, block_expert, num_post_padded, R, El,
-                                  sizes["block_expert"], HAS_MAP=has_map, NUM_BINS=Eb, BLOCK_M=block_m,
-                                  BLOCK=max(16, next_pow2(R)), BLOCKS_PER_ITER=blocks_per_iter,
-                                  num_warps=4 if Eb * block_m <= 8192 else 8)
+        launch(_align_small_kernel, (1,), ids, emap, start, sorted_ids, block_expert, num_post_padded, R, El,
+               sizes["block_expert"], HAS_MAP=has_map, NUM_BINS=Eb, BLOCK_M=block_m,
+               BLOCK=max(16, next_pow2(R)), BLOCKS_PER_ITER=blocks_per_iter,
+               num_warps=4 if Eb * block_m <= 8192 else 8)
         return sorted_ids, block_expert, num_post_padded
     C, G = num_count_chunks(R), count_group(R)
     counts = buffers["counts"][: C * Eb]
-    _align_count_kernel[(C,)](ids, emap, counts, R, El, HAS_MAP=has_map, NUM_BINS=Eb, BLOCK=ALIGN_BLOCK * G)
+    launch(_align_count_kernel, (C,), ids, emap, counts, R, El, HAS_MAP=has_map, NUM_BINS=Eb, BLOCK=ALIGN_BLOCK * G)
     rows = max(1, min(next_pow2(C), 4096 // Eb))
-    _align_offsets_kernel[(1,)](counts, start, sorted_ids, block_expert, num_post_padded, C, R,
-                                sizes["block_expert"], NUM_BINS=Eb, BLOCK_M=block_m, ROWS=rows,
-                                BLOCKS_PER_ITER=blocks_per_iter, num_warps=8)
-    _align_scatter_kernel[(P,)](ids, emap, counts, start, sorted_ids, R, El, HAS_MAP=has_map, NUM_BINS=Eb,
-                                BLOCK=ALIGN_BLOCK, COUNT_GROUP=G)
+    launch(_align_offsets_kernel, (1,), counts, start, sorted_ids, block_expert, num_post_padded, C, R,
+           sizes["block_expert"], NUM_BINS=Eb, BLOCK_M=block_m, ROWS=rows, BLOCKS_PER_ITER=blocks_per_iter,
+           num_warps=8)
+    launch(_align_scatter_kernel, (P,), ids, emap, counts, start, sorted_ids, R, El, HAS_MAP=has_map, NUM_BINS=Eb,
+           BLOCK=ALIGN_BLOCK, COUNT_GROUP=G)
     return sorted_ids, block_expert, num_post_padded
 
 

@@ -35,6 +35,7 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 from moe_modular.config import Activation
 from moe_modular.kernels.act_and_mul import _ACT_CODE, GEMM_FUSABLE_ACTIVATIONS, _scale_of, _to_fp8, gated_act
 from moe_modular.kernels.host import cdiv, gpu_has_tma, pdl_launch
+from moe_modular.kernels.launcher import launch
 from moe_modular.kernels.moe_align import _local_expert_of_route
 
 if TYPE_CHECKING:
@@ -526,9 +527,9 @@ def moe_gemm(
     a_arg = None
     if tile.a_tma and (batched or a_sorted):
         a_arg = _descriptor(a, [1, tile.BLOCK_M, tile.BLOCK_K] if batched else [tile.BLOCK_M, tile.BLOCK_K])
-    launch = pdl_launch(bool(tile.pdl), a.device)
-    _moe_gemm_kernel[grid](
-        a_arg if a_arg is not None else a, b_arg if b_arg is not None else b_ENK, c,
+    dependent = pdl_launch(bool(tile.pdl), a.device)
+    launch(
+        _moe_gemm_kernel, grid, a_arg if a_arg is not None else a, b_arg if b_arg is not None else b_ENK, c,
         a_scale if a_scale is not None else dummy,
         b_scale if b_scale is not None else dummy,
         topk_weights_Tk if topk_weights_Tk is not None else dummy,
@@ -554,8 +555,8 @@ def moe_gemm(
         B_TMA=b_arg is not None, A_SORTED=a_sorted, C_SORTED=c_sorted, A_TMA=a_arg is not None,
         PER_ROUTE=per_route, HAS_MAP=expert_map_E is not None, OUT_GROUP=c_group,
         BLOCK_M=tile.BLOCK_M, BLOCK_N=tile.BLOCK_N, BLOCK_K=tile.BLOCK_K, GROUP_M=tile.GROUP_M,
-        PERSISTENT=persistent, GDC=gpu_has_tma(a.device), PDL=bool(launch),
-        num_warps=tile.num_warps, num_stages=tile.num_stages, **launch,
+        PERSISTENT=persistent, GDC=gpu_has_tma(a.device), PDL=bool(dependent),
+        num_warps=tile.num_warps, num_stages=tile.num_stages, **dependent,
     )
     return c
 

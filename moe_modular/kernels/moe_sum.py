@@ -14,6 +14,7 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_wait
 
 from moe_modular.kernels.host import cdiv, next_pow2, pdl_launch
+from moe_modular.kernels.launcher import launch
 
 # Programs a launch aims for on a GPU: small batches are split into blocks of down to MIN_BLOCK elements
 # so that enough loads are in flight (a handful of programs looping over the routes is latency-bound).
@@ -70,11 +71,11 @@ def moe_sum(
     block_t, block_k, warps = sum_blocks(T, K, out_TK.is_cuda)
     grid = (cdiv(T, block_t), cdiv(K, block_k))
     has_map = expert_map_E is not None
-    launch = pdl_launch(pdl, out_TK.device)
-    _moe_sum_kernel[grid](y_RK, out_TK, topk_ids_Tk, expert_map_E if has_map else topk_ids_Tk, T, K,
-                          num_local_experts, *y_RK.stride(), *out_TK.stride(), *topk_ids_Tk.stride(),
-                          HAS_MAP=has_map, TOPK=k, BLOCK_T=block_t, BLOCK_K=block_k, PDL=bool(launch), num_warps=warps,
-                          **launch)
+    dependent = pdl_launch(pdl, out_TK.device)
+    launch(_moe_sum_kernel, grid, y_RK, out_TK, topk_ids_Tk, expert_map_E if has_map else topk_ids_Tk, T, K,
+           num_local_experts, *y_RK.stride(), *out_TK.stride(), *topk_ids_Tk.stride(),
+           HAS_MAP=has_map, TOPK=k, BLOCK_T=block_t, BLOCK_K=block_k, PDL=bool(dependent), num_warps=warps,
+           **dependent)
     return out_TK
 
 

@@ -21,6 +21,7 @@ import triton.language as tl
 
 from moe_modular.kernels.act_and_mul import _scale_of, _to_fp8
 from moe_modular.kernels.host import cdiv, next_pow2
+from moe_modular.kernels.launcher import launch
 from moe_modular.quant import FP8_DTYPE
 
 
@@ -133,6 +134,6 @@ def quantize_fp8(
     args = (x_TK, out, scale, amax, T, K, *x_TK.stride(), *out.stride(), s_m, s_g)
     meta = dict(SCALING=scaling.value, BLOCK_R=block_r, BLOCK_K=block_k, num_warps=4)
     if scaling is Fp8Scaling.DYNAMIC:
-        _quant_fp8_kernel[grid](*args, AMAX_PASS=True, **meta)
-    _quant_fp8_kernel[grid](*args, AMAX_PASS=False, **meta)
+        launch(_quant_fp8_kernel, grid, *args, AMAX_PASS=True, **meta)
+    launch(_quant_fp8_kernel, grid, *args, AMAX_PASS=False, **meta)
     return out, scale

@@ -12,6 +12,7 @@ import triton
 import triton.language as tl
 
 from moe_modular.kernels.host import cdiv, next_pow2
+from moe_modular.kernels.launcher import launch
 
 
 @triton.jit
@@ -50,9 +51,9 @@ def sort_rows(
         return out_SK
     block_k = min(next_pow2(K), 512 if x_TK.is_cuda else 256)
     block_s = max(1, min(next_pow2(S), 4096 // block_k))
-    _sort_rows_kernel[(cdiv(S, block_s), cdiv(K, block_k))](
-        x_TK, out_SK, sorted_ids_S, num_post_padded, T * topk, K, topk, *x_TK.stride(), *out_SK.stride(),
-        BLOCK_S=block_s, BLOCK_K=block_k, num_warps=4)
+    launch(_sort_rows_kernel, (cdiv(S, block_s), cdiv(K, block_k)),
+           x_TK, out_SK, sorted_ids_S, num_post_padded, T * topk, K, topk, *x_TK.stride(), *out_SK.stride(),
+           BLOCK_S=block_s, BLOCK_K=block_k, num_warps=4)
     return out_SK
 
 
