@@ -96,7 +96,10 @@ def launch(kernel, grid: tuple, *args, **kw) -> None:
         kernel[grid](*args, **kw)
         return
     device = torch.cuda.current_device()
-    key = (kernel, device, tuple(kw.items()), tuple(map(arg_kind, args)))
+    # arg_kind inline for the common types (this runs for every argument of every launch)
+    kinds = tuple([(v == 1, _I32_MIN <= v <= _I32_MAX, v & 15 == 0) if type(v) is int else
+                   (v.dtype, v.data_ptr() & 15 == 0) if type(v) is torch.Tensor else arg_kind(v) for v in args])
+    key = (kernel, device, tuple(kw.items()), kinds)
     kept = _KEPT.get(key, _MISSING)
     if kept is _MISSING:
         _KEPT[key] = _keep(kernel, grid, args, kw, device)
