@@ -31,7 +31,7 @@ def _triton_spec(v):
 
 def _sample_values() -> list:
     base = torch.empty(64, dtype=torch.float32)
-    vals: list = [0, 1, 2, 15, 16, 17, 48, -1, -16, -17, 2**31 - 1, 2**31 - 16, 2**31, 2**31 + 16, 2**40, -(2**31),
+    vals: list = [0, 1, 2, 15, 16, 17, 48, -1, -16, -17, 2**31 - 1, 2**31 - 16, 2**31, 2**31 + 16, 2**40, 2**63, 2**63 + 16, 2**64 - 16, -(2**31),
                   -(2**31) - 16, True, False, None, 0.5, 3.0]
     vals += [base, base[1:], base[4:], base[3:]]  # 16-byte aligned and not
     vals += [torch.empty(8, dtype=d) for d in (torch.bfloat16, torch.float16, torch.int32, torch.float8_e4m3fn)]

@@ -7,8 +7,8 @@ Triton's own path (which compiles the kernel or finds it in Triton's cache) and 
 kernel under a key of what Triton specializes on:
   - every keyword, by value: the constexprs and the launch options (num_warps, num_stages, launch_pdl);
   - each positional argument's kind: a tensor's dtype and whether its address is 16-byte aligned; an
-    int's width (32 or 64 bits) and whether it is 1 or a multiple of 16; bool, float and None as such;
-    a tensor descriptor's dtype and block shape (its tensor is aligned and strided per TMA's rules);
+    int's width (32 or 64 bits, unsigned past int64) and whether it is 1 or a multiple of 16; bool, float
+    and None as such; a tensor descriptor's dtype, block shape and padding;
   - the current CUDA device.
 Later launches with the same key go to the compiled kernel's launcher directly. Positional arguments
 must be the kernel's leading runtime parameters and keywords its constexprs, defaulted parameters
@@ -56,7 +56,7 @@ def launch_mode(mode: str) -> Iterator[None]:
         _MODE.reset(token)
 
 
-_I32_MIN, _I32_MAX = -(1 << 31), (1 << 31) - 1
+_I32_MIN, _I32_MAX, _I64_MAX = -(1 << 31), (1 << 31) - 1, (1 << 63) - 1
 
 
 def arg_kind(v: Any) -> Any:
@@ -65,8 +65,8 @@ def arg_kind(v: Any) -> Any:
         return v.dtype, v.data_ptr() & 15 == 0
     if v is None or isinstance(v, (bool, float)):
         return type(v)
-    if isinstance(v, int):
-        return v == 1, _I32_MIN <= v <= _I32_MAX, v & 15 == 0
+    if isinstance(v, int):  # 1, a multiple of 16, int32, past int64 (unsigned)
+        return v == 1, v & 15 == 0, _I32_MIN <= v <= _I32_MAX, v > _I64_MAX
     block = getattr(v, "block_shape", None)
     if block is not None and hasattr(v, "base"):  # a host tensor descriptor
         return "desc", v.base.dtype, tuple(block), getattr(v, "padding", None)
@@ -97,7 +97,7 @@ def launch(kernel, grid: tuple, *args, **kw) -> None:
         return
     device = torch.cuda.current_device()
     # arg_kind inline for the common types (this runs for every argument of every launch)
-    kinds = tuple([(v == 1, _I32_MIN <= v <= _I32_MAX, v & 15 == 0) if type(v) is int else
+    kinds = tuple([(v == 1, v & 15 == 0, _I32_MIN <= v <= _I32_MAX, v > _I64_MAX) if type(v) is int else
                    (v.dtype, v.data_ptr() & 15 == 0) if type(v) is torch.Tensor else arg_kind(v) for v in args])
     key = (kernel, device, tuple(kw.items()), kinds)
     kept = _KEPT.get(key, _MISSING)
@@ -114,7 +114,6 @@ def launch(kernel, grid: tuple, *args, **kw) -> None:
 
     kept.run(g0, g1, g2, driver.active.get_current_stream(device), kept.function, kept.packed_metadata,
              None, None, None, *args, *kept.tail)
-
 
 
 def _hooked() -> bool:
