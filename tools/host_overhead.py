@@ -196,8 +196,8 @@ def parse_args(argv=None):
     p.add_argument("-m", "--m", dest="ms", type=int, nargs="+", help="token counts (default 1 8 64 1024)")
     p.add_argument("--quant", nargs="+", default=["bf16"], help=f"of {list(QUANTS)}")
     p.add_argument("--reps", type=int, default=200, help="forward calls per measurement")
-    p.add_argument("--launch", nargs="+", default=["direct"], choices=LAUNCH_MODES[:2],
-                   help="launch paths to measure (default direct)")
+    p.add_argument("--launch", nargs="+", default=list(LAUNCH_MODES[:2]), choices=LAUNCH_MODES[:2],
+                   help="launch paths to measure, each cell under each in turn (default both)")
     p.add_argument("--cprofile", type=int, default=0, metavar="N",
                    help="also print the N functions with the most own time per cell (cProfile)")
     p.add_argument("--rep-ms", type=float, default=20.0, help="time budget of the gpu / eager timings")

@@ -14,7 +14,7 @@ Later launches with the same key go to the compiled kernel's launcher directly. 
 must be the kernel's leading runtime parameters and keywords its constexprs, defaulted parameters
 and launch options, so a key fixes every value that is not passed positionally.
 
-Modes (`launch_mode(...)`, default from the environment variable MOE_MODULAR_LAUNCH, else "direct"):
+Modes (`launch_mode(...)`, default from the environment variable MOE_MODULAR_LAUNCH, else DEFAULT_MODE):
 "direct" as above; "triton" every launch through Triton's path; "check" as direct, and each launch also
 asks Triton's binder for its cache key and fails unless it is the key the kept kernel was compiled
 under (for tests). The interpreter (TRITON_INTERPRET=1) and launch hooks (knobs.runtime
@@ -31,11 +31,13 @@ from typing import Any, Iterator, Optional
 import torch
 
 LAUNCH_MODES = ("direct", "triton", "check")
+# Triton's path until the direct path has passed the GPU suite in "check" mode on this Triton version
+DEFAULT_MODE = "triton"
 _ENV = "MOE_MODULAR_LAUNCH"
 
 
 def _env_mode() -> str:
-    mode = os.environ.get(_ENV, "direct")
+    mode = os.environ.get(_ENV, DEFAULT_MODE)
     if mode not in LAUNCH_MODES:
         raise ValueError(f"{_ENV} ({mode!r}) must be one of {LAUNCH_MODES}")
     return mode
