@@ -120,6 +120,36 @@ def test_workspace_grows_and_poisons():
     assert cache.num_allocations == 3
 
 
+def test_workspace_views_are_memoized_per_buffer():
+    """A repeated request returns the same view object; after the buffer grows, views over the new buffer
+    (none still points into the freed one)."""
+    cpu = torch.device("cpu")
+    cache = WorkspaceCache()
+    a = cache.get("ws", (2, 3), torch.float32, cpu)
+    assert cache.get("ws", (2, 3), torch.float32, cpu) is a
+    small = cache.get("ws", (1, 2), torch.float32, cpu)
+    big = cache.get("ws", (8, 8), torch.float32, cpu)  # grows: a new buffer
+    again = cache.get("ws", (1, 2), torch.float32, cpu)
+    assert again is not small and again.data_ptr() == big.data_ptr()
+    assert cache.get("ws", (2, 3), torch.float32, cpu).data_ptr() == big.data_ptr()
+    cache.clear()
+    assert cache.get("ws", (2, 3), torch.float32, cpu) is not a and cache.num_allocations == 3
+
+
+def test_carve_is_memoized_per_workspace():
+    """WorkspaceLayout.carve: the same views for the same memory; another workspace gets its own."""
+    from moe_modular.experts.triton_common import WorkspaceLayout
+
+    layout = WorkspaceLayout().add("a", (4, 3), torch.float32).add("b", (5,), torch.int32)
+    ws = torch.empty(layout.numel(torch.float32))
+    first = layout.carve(ws)
+    assert layout.carve(ws) is first and layout.carve(ws.view(-1)) is first
+    other = torch.empty_like(ws)
+    carved = layout.carve(other)
+    assert carved is not first and carved["a"].data_ptr() == other.data_ptr()
+    assert first["b"].shape == (5,) and first["b"].dtype == torch.int32
+
+
 # ---- chunking ----------------------------------------------------------------------------
 
 @pytest.mark.parametrize("T,chunk", [
