@@ -80,6 +80,28 @@ def test_environment_mode_is_checked(monkeypatch):
     assert launcher._env_mode() == "check"
 
 
+def test_launch_hooks_are_seen_only_when_set():
+    """triton 3.6 keeps an (empty) HookChain in knobs.runtime.launch_enter_hook instead of None; only a hook that
+    would run sends launches down Triton's path (older Triton: a callable or None)."""
+    from triton import knobs
+
+    def hook(metadata):
+        return None
+
+    assert not launcher._hook_set(None)
+    assert launcher._hook_set(hook)
+    chain = knobs.runtime.launch_enter_hook
+    if not hasattr(chain, "add"):
+        pytest.skip(f"this Triton ({triton.__version__}) keeps no HookChain in knobs.runtime")
+    assert not launcher._hooked(), "no launch hook is set, yet launches would take Triton's path"
+    chain.add(hook)
+    try:
+        assert launcher._hooked()
+    finally:
+        chain.remove(hook)
+    assert not launcher._hooked()
+
+
 @triton.jit
 def _axpy_kernel(x_ptr, y_ptr, n, alpha, BLOCK: tl.constexpr):
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)

@@ -17,8 +17,8 @@ and launch options, so a key fixes every value that is not passed positionally.
 Modes (`launch_mode(...)`, default from the environment variable MOE_MODULAR_LAUNCH, else DEFAULT_MODE):
 "direct" as above; "triton" every launch through Triton's path; "check" as direct, and each launch also
 asks Triton's binder for its cache key and fails unless it is the key the kept kernel was compiled
-under (for tests). The interpreter (TRITON_INTERPRET=1) and launch hooks (knobs.runtime
-launch_enter_hook / launch_exit_hook, e.g. a profiler) always take Triton's path.
+under (for tests). The interpreter (TRITON_INTERPRET=1) and a set launch hook (knobs.runtime
+launch_enter_hook / launch_exit_hook, e.g. a profiler's) always take Triton's path.
 """
 from __future__ import annotations
 
@@ -121,7 +121,16 @@ def launch(kernel, grid: tuple, *args, **kw) -> None:
 def _hooked() -> bool:
     from triton import knobs
 
-    return knobs.runtime.launch_enter_hook is not None or knobs.runtime.launch_exit_hook is not None
+    return _hook_set(knobs.runtime.launch_enter_hook) or _hook_set(knobs.runtime.launch_exit_hook)
+
+
+def _hook_set(hook: Any) -> bool:
+    """Whether a launch hook would run: triton 3.6 keeps a HookChain there (never None; set when its list of
+    calls is not empty), older Triton a callable or None."""
+    if hook is None:
+        return False
+    calls = getattr(hook, "calls", None)
+    return bool(calls) if isinstance(calls, list) else True
 
 
 def _keep(kernel, grid, args: tuple, kw: dict, device: int) -> Optional[_Kept]:
