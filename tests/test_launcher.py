@@ -127,7 +127,8 @@ def test_launch_computes_what_triton_launches(mode):
 @pytest.mark.skipif(not CUDA, reason="the direct path needs a GPU (the interpreter always takes Triton's path)")
 def test_constexpr_given_positionally_is_refused():
     x = torch.zeros(8, device=DEVICE)
-    with pytest.raises(TypeError, match="constexpr parameter 'BLOCK' of _axpy_kernel must be passed by keyword"):
+    with launch_mode("direct"), pytest.raises(TypeError, match="constexpr parameter 'BLOCK' of _axpy_kernel must be "
+                                                                  "passed by keyword"):
         launch(_axpy_kernel, (1,), x, x, 8, 1.0, 8)
 
 
