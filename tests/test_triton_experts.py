@@ -456,6 +456,24 @@ def test_workspaces_sized_for_route_order_keep_route_order():
     assert ((out.float() - ref).norm() / ref.norm()).item() <= tolerance(c.dtype, c.quant)
 
 
+
+def test_one_instance_serves_new_workspaces_and_activations():
+    # apply keeps its host-side choices per problem and its views per workspace: workspaces freed and
+    # drawn again (poisoned), and another activation on the same instance, each still match the oracle.
+    c = Case(5, 7, 3)
+    moe, qp, x, w1, w2, tw, ti, _ = make_inputs(c, seed=5)
+    tile = GemmTile(16, 64, 64, 1, 4, 2, 1)
+    fe = TritonExperts(moe, qp, tile_config=TileConfig(tile, tile))
+    for activation in (c.activation, Activation.GELU, c.activation):
+        for _ in range(2):
+            ws13, ws2, out = _poisoned_workspaces(fe, c.T, w1.shape[1], c.K, c.topk, c.E, w1.shape[0])
+            fe.apply(out, x, w1, w2, tw, ti, activation, c.E, None, None, None, ws13, ws2, None, False)
+            ref = _reference(replace(c, activation=activation), qp, x, w1, w2, tw, ti, None)
+            assert torch.isfinite(out).all(), f"{activation}: a row of the output was not written"
+            err = ((out.float() - ref).norm() / ref.norm()).item()
+            assert err <= tolerance(c.dtype, c.quant), f"{activation}: relative error {err:.3e}"
+            del ws13, ws2
+
 # ---- capabilities -----------------------------------------------------------------------------
 def test_capabilities_are_declared_by_the_classes():
     assert TritonExperts.activation_formats() == (ActivationFormat.Standard, ActivationFormat.Standard)

@@ -21,13 +21,15 @@ loads it the same way. S = moe_align's sorted capacity (routes plus per-expert p
 """
 from __future__ import annotations
 
-from typing import Optional
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Optional
 
 import torch
 
 from moe_modular.config import Activation
 from moe_modular.experts.triton_common import (
     MAX_BLOCK_M,
+    BoundedMemo,
     WorkspaceLayout,
     bytes_to_numel,
     check_device,
@@ -41,6 +43,10 @@ from moe_modular.experts.triton_common import (
 from moe_modular.experts.triton_experts_base import TritonExpertsBase
 from moe_modular.interfaces import ActivationFormat, ExpertTokensMetadata
 from moe_modular.weight_and_reduce import TopKWeightAndReduceNoOp
+
+if TYPE_CHECKING:
+    from moe_modular.kernels.moe_gemm import GemmTile
+    from moe_modular.tile_config import TileConfig
 
 
 def _align_regions(layout: WorkspaceLayout, R: int, El: int) -> WorkspaceLayout:
@@ -58,6 +64,20 @@ def _align_regions(layout: WorkspaceLayout, R: int, El: int) -> WorkspaceLayout:
     return layout
 
 
+@dataclass(frozen=True)
+class _Plan:
+    """What TritonExperts decides on the host for one problem size and activation."""
+
+    cfg: TileConfig
+    sorting: tuple[bool, bool, int]  # TritonExperts._sorting
+    fused: bool  # this activation runs in the first GEMM's epilogue
+    sized_fused: bool  # the workspaces are sized for MoEConfig.activation fused (no h1)
+    gemm1: GemmTile  # the first GEMM's tile as launched (fused: fused_gemm1_tile)
+    ws13_numel: int
+    layout: WorkspaceLayout  # workspace2's regions
+    unsorted_layout: WorkspaceLayout  # the same in route order (workspaces sized for other tiles)
+
+
 class TritonExperts(TritonExpertsBase):
     """bf16 / fp16 / fp32, unquantized or fp8 (per-tensor static or dynamic, per-token with
     per-channel weights, 1xBk group with BnxBk block weights); SiLU, GELU and swiglu-oai; expert
@@ -67,12 +87,35 @@ class TritonExperts(TritonExpertsBase):
     Extra keywords (tile_table, tile_config, fuse_activation): TritonExpertsBase.
     """
 
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self._plans = BoundedMemo()
+        # views over the last workspaces, by (address, size, device, shape, dtype): a view holds its storage, so
+        # no other tensor can have the same address while an entry lives
+        self._views = BoundedMemo(limit=4)
+
     @classmethod
     def activation_formats(cls) -> tuple[ActivationFormat, ActivationFormat]:
         return ActivationFormat.Standard, ActivationFormat.Standard
 
     def supports_chunking(self) -> bool:
         return True
+
+    def _plan(self, M: int, El: int, N2: int, K: int, topk: int, activation: Activation,
+              device: torch.device) -> _Plan:
+        """The host-side choices of one problem size (memoized: apply asks on every forward)."""
+        return self._plans.get_or_make((M, El, N2, K, topk, activation, device),
+                                       lambda: self._make_plan(M, El, N2, K, topk, activation, device))
+
+    def _make_plan(self, M: int, El: int, N2: int, K: int, topk: int, activation: Activation,
+                   device: torch.device) -> _Plan:
+        cfg = self.tiles(M, El, N2 // 2, K, topk, device)
+        sorting = self._sorting(cfg, activation)
+        fused, sized_fused = self._fused(cfg, activation), self._fused(cfg, self.moe.activation)
+        ws13_numel, layout = self._layout(M, N2, K, topk, El, sorting, sized_fused)
+        _, unsorted_layout = self._layout(M, N2, K, topk, El, (False, False, 0), sized_fused)
+        return _Plan(cfg, sorting, fused, sized_fused, self.tiles.fused_gemm1(cfg.gemm1) if fused else cfg.gemm1,
+                     ws13_numel, layout, unsorted_layout)
 
     def _layout(self, M: int, N2: int, K: int, topk: int, El: int, sorting: tuple[bool, bool, int],
                 fused: bool) -> tuple[int, WorkspaceLayout]:
@@ -107,10 +150,8 @@ class TritonExperts(TritonExpertsBase):
         the activation) or the sorted tokens (S, K), then y (R, K); workspace2 the intermediate ((R, Ni),
         or (S, Ni) sorted), its scales and the alignment buffers. Output (M, K), already weighted and
         reduced. Sized for the tiles of the current device (the one apply will run on)."""
-        cfg = self.tiles(M, local_num_experts, N // 2, K, topk, current_device())
-        ws13, ws2 = self._layout(M, N, K, topk, local_num_experts, self._sorting(cfg, self.moe.activation),
-                                 self._fused(cfg, self.moe.activation))
-        return (ws13,), (ws2.numel(self.moe.dtype),), (M, K), self.moe.dtype
+        plan = self._plan(M, local_num_experts, N, K, topk, self.moe.activation, current_device())
+        return (plan.ws13_numel,), (plan.layout.numel(self.moe.dtype),), (M, K), self.moe.dtype
 
     def finalize_weight_and_reduce_impl(self):
         return TopKWeightAndReduceNoOp()
@@ -154,17 +195,15 @@ class TritonExperts(TritonExpertsBase):
         activation = Activation.parse(activation)
         q, modes = self.quant, self.modes
         group = q.config.block_shape if q.config.is_block else (1, 1)
-        cfg = self.tiles(T, El, Ni, K, topk, hidden_states.device)
-        sorting = self._sorting(cfg, activation)
-        fused, sized_fused = self._fused(cfg, activation), self._fused(cfg, self.moe.activation)
-        ws13_numel, layout = self._layout(T, N2, K, topk, El, sorting, sized_fused)
-        if sorting[2] and (workspace13.numel() < ws13_numel or
+        plan = self._plan(T, El, N2, K, topk, activation, hidden_states.device)
+        cfg, sorting, fused, layout = plan.cfg, plan.sorting, plan.fused, plan.layout
+        if sorting[2] and (workspace13.numel() < plan.ws13_numel or
                            workspace2.numel() < layout.numel(workspace2.dtype)):
             # sized for another device's tiles (workspace_shapes plans for the current device): route order
-            sorting = (False, False, 0)
-            _, layout = self._layout(T, N2, K, topk, El, sorting, sized_fused)
+            sorting, layout = (False, False, 0), plan.unsorted_layout
         sort_in, sort_mid, _ = sorting
-        y = overlapping_view(workspace13, (R, K), output.dtype)
+        y = self._views.get_or_make((workspace13.data_ptr(), workspace13.numel(), workspace13.device, R, K, output.dtype),
+                                    lambda: overlapping_view(workspace13, (R, K), output.dtype))
         buf = layout.carve(workspace2)
         if not topk_ids.is_contiguous():
             topk_ids = topk_ids.contiguous()
@@ -185,12 +224,12 @@ class TritonExperts(TritonExpertsBase):
                                overlapping_view(workspace13, (sorted_ids.numel(), K), hidden_states.dtype))
             # fp8 block (act_q): the intermediate leaves quantized, one scale per row and group
             inter_q = dict(c_scale=inter_scale, c_group=group[1]) if q.config.is_quantized else {}
-            moe_gemm(a1, w1, buf["intermediate"], self.tiles.fused_gemm1(cfg.gemm1), a_row_div=topk,
+            moe_gemm(a1, w1, buf["intermediate"], plan.gemm1, a_row_div=topk,
                      fuse_activation=activation, a_sorted=sort_in, c_sorted=sort_mid, **gemm1_scales, **inter_q,
                      **align)
         else:
-            h1 = h1_view(workspace13, (R, N2), self.moe, sized_fused, activation)
-            moe_gemm(hidden_states, w1, h1, cfg.gemm1, a_row_div=topk, **gemm1_scales, **align)
+            h1 = h1_view(workspace13, (R, N2), self.moe, plan.sized_fused, activation)
+            moe_gemm(hidden_states, w1, h1, plan.gemm1, a_row_div=topk, **gemm1_scales, **align)
             act_and_mul(h1, activation, buf["intermediate"], quant=modes.intermediate, scale=inter_scale,
                         amax_El=buf.get("amax"), group_size=group[1] if q.config.is_block else 128,
                         row_mode=RowMode.ROUTES, topk_ids_Tk=topk_ids, expert_map_E=expert_map,
