@@ -184,13 +184,6 @@ def test_tune_launch_options_follow_the_device_and_the_tiles():
     assert [c.gemm2.pdl for c in tune_moe.launch_options(narrow, hopper=True, unquantized=True)] == [1, 1]
     assert tune_moe.launch_options(wide, hopper=False, unquantized=True) == [
         TileConfig(wide.gemm1, GemmTile(128, 256, 64, 8, 8, 4, persistent=2))]
-    # one token, unquantized: the second GEMM that sums the routes, with each of ROUTE_SUM_TILES
-    one = tune_moe.launch_options(narrow, hopper=True, unquantized=True, one_token=True)
-    summed = [c.gemm2 for c in one if c.gemm2.route_sum]
-    assert [(t.BLOCK_N, t.BLOCK_K) for t in summed] == list(tune_moe.ROUTE_SUM_TILES)
-    assert all(c.gemm1 == narrow.gemm1 for c in one if c.gemm2.route_sum) and len(one) <= tune_moe.MAX_LAUNCH_OPTIONS
-    assert not any(c.gemm2.route_sum for c in tune_moe.launch_options(narrow, hopper=True, unquantized=False,
-                                                                      one_token=True))
 
 
 def test_tune_gemm2_candidates_skip_what_was_timed():

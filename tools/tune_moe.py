@@ -14,8 +14,7 @@ forward (NoEP PF) replayed from a CUDA graph with an L2 flush before each repeti
      BLOCK_N / BLOCK_K / GROUP_M / num_warps / num_stages over the same space;
   3. the best tiles so far with each launch option that can change their speed on this device
      (launch_options: a persistent second GEMM; on Hopper and later also programmatic dependent
-     launches, and the warp-specialized kernel for unquantized tiles it takes; for one token,
-     unquantized, the second GEMM that sums the routes itself, gemm2.route_sum).
+     launches, and the warp-specialized kernel for unquantized tiles it takes).
 Writes OUT/<TileConfigTable.file_name(key)> per (shape, scheme) (copy into moe_modular/configs/ to
 ship it; buckets of the shipped table that this run did not tune are carried over unless
 --no-merge) and OUT/tune_moe.csv with every trial. A candidate that fails to compile or launch
@@ -138,17 +137,11 @@ def gemm2_candidates(best: tuple, pool: list[tuple], tried: tuple = (),
     return out
 
 
-# (BLOCK_N, BLOCK_K) of the one-token second GEMM that sums its routes (gemm2.route_sum) tried in stage 3.
-ROUTE_SUM_TILES = ((16, 256), (16, 128), (32, 128))
-
-
-def launch_options(best, *, hopper: bool, unquantized: bool, one_token: bool = False) -> list:
+def launch_options(best, *, hopper: bool, unquantized: bool) -> list:
     """Stage-3 configurations: `best` (a TileConfig) with one launch option each, those that differ from it:
     the second GEMM persistent (2: loop nest flattened); on Hopper and later (hopper) the second GEMM, or
     both GEMMs, launched as programmatic dependents (pdl), and, unquantized, both GEMMs in the
-    warp-specialized kernel on sorted rows (ws with a_tma) where the tiles suit it (BLOCK_M and warps);
-    for one token (M=1), unquantized, the second GEMM as the matrix-vector kernel that sums the routes
-    (route_sum) with each of ROUTE_SUM_TILES."""
+    warp-specialized kernel on sorted rows (ws with a_tma) where the tiles suit it (BLOCK_M and warps)."""
     from moe_modular.kernels.moe_gemm import WS_MIN_BLOCK_M, WS_WARPS
     from moe_modular.tile_config import TileConfig
 
@@ -158,8 +151,6 @@ def launch_options(best, *, hopper: bool, unquantized: bool, one_token: bool = F
         out += [TileConfig(g1, replace(g2, pdl=1)), TileConfig(replace(g1, pdl=1), replace(g2, pdl=1))]
         if unquantized and g1.BLOCK_M >= WS_MIN_BLOCK_M and {g1.num_warps, g2.num_warps} <= set(WS_WARPS):
             out.append(TileConfig(replace(g1, ws=1, a_tma=1), replace(g2, ws=1, a_tma=1)))
-    if one_token and unquantized:
-        out += [TileConfig(g1, replace(g2, route_sum=1, BLOCK_N=bn, BLOCK_K=bk)) for bn, bk in ROUTE_SUM_TILES]
     unique = []
     for cfg in out:
         if cfg != best and cfg not in unique:
@@ -168,7 +159,7 @@ def launch_options(best, *, hopper: bool, unquantized: bool, one_token: bool = F
 
 
 # The most stage-3 configurations launch_options returns (the progress bar's count per bucket).
-MAX_LAUNCH_OPTIONS = 4 + len(ROUTE_SUM_TILES)
+MAX_LAUNCH_OPTIONS = 4
 
 
 def incumbent(table, shape: Shape, qc, M: int, device: str):
@@ -337,7 +328,7 @@ def main(argv=None) -> int:
                 options = []
                 if results and args.options:
                     options = launch_options(min(results, key=lambda r: r[0])[1], hopper=args.hopper,
-                                             unquantized=not qc.is_quantized, one_token=M == 1)
+                                             unquantized=not qc.is_quantized)
                     for cfg in options:
                         run(cfg, 3)
                 # the bar counted every bucket at its most trials; settle the ones this bucket skipped
