@@ -21,8 +21,6 @@ dtype, quant scheme name, device name) and maps token-count buckets M to one Til
       # before finishes, it waits for that one's end; under gemm2 the top-k sum after it launches so too
       # ws: 1: the warp-specialized Hopper kernel (moe_gemm_ws.py) where it covers the launch (A sorted with
       # a_tma: 1, or gathered by the kernel)
-      # route_sum: 1 (under gemm2; unquantized, one token): the second GEMM as a matrix-vector kernel that also
-      # sums the token's routes (token_gemm2.py): no top-k sum kernel
 
 For M between buckets the nearest bucket in log2(M) is used. Without a matching table,
 `default_tile_config` picks tiles from the average tokens per expert.
@@ -43,8 +41,8 @@ from moe_modular.quant import QuantConfig
 CONFIG_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs")
 CPU_DEVICE_NAME = "cpu"
 _TILE_FIELDS = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "num_warps", "num_stages", "b_tma", "a_tma", "act_q",
-                "persistent", "ws", "pdl", "route_sum")
-_FLAG_FIELDS = ("b_tma", "a_tma", "act_q", "ws", "pdl", "route_sum")  # 0 / 1, listed in tables only where 1
+                "persistent", "ws", "pdl")
+_FLAG_FIELDS = ("b_tma", "a_tma", "act_q", "ws", "pdl")  # 0 / 1, listed in tables only where 1
 _OFF_BY_DEFAULT = _FLAG_FIELDS + ("persistent",)  # 0 = off; listed in tables only where set
 
 

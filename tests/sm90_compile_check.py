@@ -2,13 +2,11 @@
 
     TRITON_INTERPRET=0 python -m tests.sm90_compile_check ws FUSED GATHER BLOCK_M BLOCK_N BLOCK_K GROUP_M WARPS STAGES
     TRITON_INTERPRET=0 python -m tests.sm90_compile_check pdl PER_ROUTE PERSISTENT
-    TRITON_INTERPRET=0 python -m tests.sm90_compile_check pdl-token
 
 ws: moe_gemm_ws's Gluon kernel: {"wgmma": bool, "cp_async_arrive": bool, "shared": bytes, "local_bytes": int
 or null}. pdl: moe_gemm's Triton kernel as a second GEMM launched with tile.pdl (per-route or standard blocks,
 persistent or not): {"wait": n, "launch_dependents": n, "launch_pdl": bool}, the counts of griddepcontrol.wait
-and griddepcontrol.launch_dependents in its PTX. pdl-token: the same for token_gemm2's kernel (a one-token second
-GEMM that sums its routes) launched with pdl.
+and griddepcontrol.launch_dependents in its PTX.
 
 Used by tests/test_triton_kernels.py in a process of its own (a process that has run kernels in
 Triton's interpreter cannot compile them for a GPU). local_bytes is the cubin's local memory (register spills)
@@ -86,19 +84,6 @@ def compile_pdl_gemm2(per_route: bool, persistent: int):
                           options={"num_warps": 4, "num_stages": 3, "launch_pdl": True})
 
 
-def compile_pdl_token_gemm2():
-    """token_gemm2's kernel for sm_90a as a Qwen3-sized bf16 one-token second GEMM with pdl would launch it."""
-    from moe_modular.kernels import token_gemm2 as TG
-
-    consts = dict(HAS_MAP=False, MUL_WEIGHT=True, EVEN_K=True, BLOCK_N=16, BLOCK_K=256, PDL=True)
-    kernel = TG._token_gemm2_kernel
-    types = dict(a_ptr="*bf16", b_ptr="*bf16", out_ptr="*bf16", weights_ptr="*fp32")
-    signature = {name: "constexpr" if param.is_constexpr else types.get(name, "*i32" if name.endswith("_ptr") else "i32")
-                 for name, param in zip(kernel.arg_names, kernel.params)}
-    return triton.compile(ASTSource(kernel, signature, constexprs=consts), target=TARGET,
-                          options={"num_warps": 4, "num_stages": 3, "launch_pdl": True})
-
-
 def local_bytes(cubin: bytes):
     """Local memory of the kernel in `cubin` per triton's cuobjdump, or None where triton ships none."""
     cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
@@ -114,12 +99,9 @@ def local_bytes(cubin: bytes):
 
 def main(argv: list[str]) -> int:
     what, *numbers = argv
-    if what in ("pdl", "pdl-token"):
-        if what == "pdl":
-            per_route, persistent = (int(v) for v in numbers)
-            kernel = compile_pdl_gemm2(bool(per_route), persistent)
-        else:
-            kernel = compile_pdl_token_gemm2()
+    if what == "pdl":
+        per_route, persistent = (int(v) for v in numbers)
+        kernel = compile_pdl_gemm2(bool(per_route), persistent)
         ptx = kernel.asm["ptx"]
         print(json.dumps({"wait": ptx.count("griddepcontrol.wait"),
                           "launch_dependents": ptx.count("griddepcontrol.launch_dependents"),

@@ -474,36 +474,6 @@ def test_one_instance_serves_new_workspaces_and_activations():
             assert err <= tolerance(c.dtype, c.quant), f"{activation}: relative error {err:.3e}"
             del ws13, ws2
 
-
-@pytest.mark.parametrize("c", [Case(1, 4, 1), Case(1, 8, 3, held=(1, 2, 5, 6)), Case(1, 5, 1, on_input=True),
-                               Case(1, 6, 2, dtype=torch.float32, activation=Activation.GELU),
-                               Case(1, 7, 2, activation=Activation.SWIGLU_OAI)], ids=_name)
-def test_one_token_second_gemm_sums_its_routes(c: Case):
-    # gemm2.route_sum: one token's second GEMM sums the routes itself and writes the output; y (workspace13)
-    # is never written (with the activation in the first GEMM nothing else is stored there either).
-    moe, qp, x, w1, w2, tw, ti, expert_map = make_inputs(c, seed=c.E + 3)
-    tile = GemmTile(16, 32, 32, 1, 4, 2)
-    fe = TritonExperts(moe, qp, tile_config=TileConfig(tile, replace(tile, BLOCK_N=16, route_sum=1)))
-    ws13, ws2, out = _poisoned_workspaces(fe, c.T, w1.shape[1], c.K, c.topk, c.E, w1.shape[0])
-    prepared = MoEPrepareAndFinalizeNoEP().prepare(x, tw, ti, c.E, expert_map, c.on_input, qp)
-    fe.apply(out, prepared.a1q, w1, w2, tw, ti, c.activation, c.E, expert_map, prepared.a1q_scale, qp.a2_scale, ws13,
-             ws2, None, c.on_input)
-    ref = _reference(c, qp, x, w1, w2, tw, ti, expert_map)
-    assert torch.isfinite(out).all(), "the output was not written"
-    assert ((out.float() - ref).norm() / ref.norm()).item() <= tolerance(c.dtype, c.quant)
-    if c.activation is not Activation.SWIGLU_OAI:  # fused first GEMM: workspace13 unused
-        assert torch.isnan(ws13).all(), "y was written: the top-k sum path ran"
-
-
-def test_route_sum_tiles_are_refused_for_quantized_experts():
-    c = Case(1, 6, 2, quant=QuantConfig.fp8_per_token())
-    moe, qp, x, w1, w2, tw, ti, _ = make_inputs(c, seed=6)
-    tile = GemmTile(16, 32, 32, 1, 4, 2)
-    fe = TritonExperts(moe, qp, tile_config=TileConfig(tile, replace(tile, route_sum=1)))
-    with pytest.raises(ValueError, match=r"tile gemm2.route_sum \(1\) is for unquantized experts; the scheme is "
-                                         r"fp8-token"):
-        fe.workspace_shapes(c.T, w1.shape[1], c.K, c.topk, c.E, w1.shape[0], None)
-
 # ---- capabilities -----------------------------------------------------------------------------
 def test_capabilities_are_declared_by_the_classes():
     assert TritonExperts.activation_formats() == (ActivationFormat.Standard, ActivationFormat.Standard)

@@ -16,7 +16,6 @@ from moe_modular.kernels.act_and_mul import IntermediateQuant, RowMode, act_and_
 from moe_modular.kernels.moe_align import ALIGN_BLOCK, moe_align, moe_align_torch
 from moe_modular.kernels.moe_gemm import AScale, BScale, GemmTile, gpu_has_tma, moe_gemm, moe_gemm_torch
 from moe_modular.kernels.moe_sum import moe_sum, moe_sum_torch
-from moe_modular.kernels.token_gemm2 import token_gemm2, token_gemm2_torch
 from moe_modular.quant import FP8_DTYPE, QuantConfig, expand_group_scale, quantize_activations, quantize_weights
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -121,59 +120,6 @@ _MODES = {"unquantized": (AScale.NONE, BScale.NONE), "fp8-tensor": (AScale.TENSO
 
 # b_tma: weight tiles through a tensor descriptor (TMA on Hopper; the interpreter emulates it) or pointers
 B_TMA = pytest.mark.parametrize("b_tma", [0, 1], ids=["b-ptr", "b-tma"])
-
-
-
-# ---- token_gemm2 ----------------------------------------------------------------------------
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=["bf16", "fp16", "fp32"])
-@pytest.mark.parametrize("k,Ni,K,block_n,block_k,kind", [
-    (1, 64, 48, 16, 32, None),  # topk 1, K steps that divide Ni
-    (3, 72, 200, 16, 32, "map"),  # Ni and K not multiples of the blocks; expert_map -1 experts
-    (4, 40, 64, 32, 64, "local-1"),  # a local id -1; one partial K step; weights applied on the input
-    (8, 96, 130, 8, 16, None),  # topk 8
-])
-def test_token_gemm2_sums_the_held_routes(dtype, k, Ni, K, block_n, block_k, kind):
-    g = _gen(11 + k)
-    El = 8
-    ids = torch.randperm(2 * El if kind == "map" else El, generator=g)[:k].to(torch.int32).view(1, k)
-    emap = _expert_map(2 * El, [0, 3, 4, 6, 9, 10, 12, 15]) if kind == "map" else None
-    if kind == "local-1":
-        ids[0, 1] = -1
-    a = torch.randn(k, Ni, generator=g).to(dtype)
-    held = ids[0].long() if emap is None else emap.cpu().long()[ids[0].long()]
-    a[held < 0] = float("nan")  # rows of routes not held here hold garbage
-    b = (torch.randn(El, K, Ni, generator=g) / Ni ** 0.5).to(dtype)
-    w = None if kind == "local-1" else torch.rand(1, k, generator=g)
-    out = torch.full((1, K), float("nan"), dtype=dtype, device=DEVICE)
-    token_gemm2(a.to(DEVICE), b.to(DEVICE), out, ids.to(DEVICE), El, block_n=block_n, block_k=block_k,
-                topk_weights_1k=None if w is None else w.to(DEVICE), expert_map_E=emap)
-    ref = token_gemm2_torch(a, b, ids, El, w, None if emap is None else emap.cpu())
-    assert torch.isfinite(out).all()
-    assert (held >= 0).any() and ref.abs().max() > 0
-    assert _rel(out.cpu(), ref) <= 4 * torch.finfo(dtype).eps
-
-
-def test_token_gemm2_writes_zeros_when_no_route_is_held():
-    ids = torch.tensor([[-1, -1]], dtype=torch.int32, device=DEVICE)
-    out = torch.full((1, 32), float("nan"), dtype=torch.bfloat16, device=DEVICE)
-    token_gemm2(torch.randn(2, 16, device=DEVICE).to(torch.bfloat16),
-                torch.randn(3, 32, 16, device=DEVICE).to(torch.bfloat16), out, ids, 3, block_n=16, block_k=16)
-    assert (out == 0).all()
-
-
-@pytest.mark.parametrize("change,message", [
-    (dict(ids=torch.zeros(2, 2, dtype=torch.int32)), r"topk_ids_1k \(\(2, 2\)\) must be \(1, k\): one token"),
-    (dict(out=torch.zeros(1, 24)), r"out_1K \(\(1, 24\)\) must be \(1, 32\)"),
-    (dict(a=torch.zeros(2, 16, dtype=torch.float8_e4m3fn)),
-     r"a_kNi dtype \(torch.float8_e4m3fn\) must be one of .* \(unquantized\)"),
-    (dict(block_n=24), r"block_n \(24\) must be a power of two"),
-])
-def test_token_gemm2_errors_name_the_field(change, message):
-    args = dict(a=torch.zeros(2, 16), b=torch.zeros(3, 32, 16), out=torch.zeros(1, 32),
-                ids=torch.zeros(1, 2, dtype=torch.int32), block_n=16)
-    args.update(change)
-    with pytest.raises(ValueError, match=message):
-        token_gemm2(args["a"], args["b"], args["out"], args["ids"], 3, block_n=args["block_n"], block_k=16)
 
 
 @B_TMA
@@ -666,13 +612,6 @@ def test_moe_gemm_pdl_compiles_to_griddepcontrol(per_route, persistent):
     # be placed once.
     got = _sm90_compile_check("pdl", int(per_route), persistent)
     assert got == {"wait": 1, "launch_dependents": 1, "launch_pdl": True}, got
-
-
-def test_token_gemm2_pdl_compiles_to_griddepcontrol():
-    # The one-token second GEMM with pdl waits for the first GEMM once; it is the forward's last kernel, so it
-    # lets no dependent be placed early.
-    got = _sm90_compile_check("pdl-token")
-    assert got == {"wait": 1, "launch_dependents": 0, "launch_pdl": True}, got
 
 
 @pytest.mark.parametrize("fused,gather,tile", [

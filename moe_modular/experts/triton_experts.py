@@ -14,8 +14,6 @@ capturable):
      intermediate itself; h1 is never stored)
   4. GEMM2: y (R, K) = intermediate @ w2[e].T, dequantized, times the route's top-k weight
   5. moe_sum: output (T, K) = sum of the held routes of each token
-     (one token, unquantized, where the tiles say gemm2.route_sum: steps 4 and 5 in one matrix-vector
-     kernel, token_gemm2, that writes the output; y is never stored)
 Sorted rows (unquantized SiLU / GELU, where the tiles say a_tma): with gemm1.a_tma, sort_rows first
 gathers the tokens into sorted-route order (S, K) and GEMM1 loads them block by block through a
 tensor descriptor; with gemm2.a_tma, GEMM1 writes the intermediate in sorted order (S, Ni) and GEMM2
@@ -78,7 +76,6 @@ class _Plan:
     ws13_numel: int
     layout: WorkspaceLayout  # workspace2's regions
     unsorted_layout: WorkspaceLayout  # the same in route order (workspaces sized for other tiles)
-    route_sum: bool  # one token: the second GEMM sums its routes itself (token_gemm2), no top-k sum kernel
 
 
 class TritonExperts(TritonExpertsBase):
@@ -117,11 +114,8 @@ class TritonExperts(TritonExpertsBase):
         fused, sized_fused = self._fused(cfg, activation), self._fused(cfg, self.moe.activation)
         ws13_numel, layout = self._layout(M, N2, K, topk, El, sorting, sized_fused)
         _, unsorted_layout = self._layout(M, N2, K, topk, El, (False, False, 0), sized_fused)
-        if cfg.gemm2.route_sum and self.moe.quant.is_quantized:
-            raise ValueError(f"tile gemm2.route_sum (1) is for unquantized experts; the scheme is {self.moe.quant.name}")
-        route_sum = bool(cfg.gemm2.route_sum) and M == 1 and not (sorting[0] or sorting[1])
         return _Plan(cfg, sorting, fused, sized_fused, self.tiles.fused_gemm1(cfg.gemm1) if fused else cfg.gemm1,
-                     ws13_numel, layout, unsorted_layout, route_sum)
+                     ws13_numel, layout, unsorted_layout)
 
     def _layout(self, M: int, N2: int, K: int, topk: int, El: int, sorting: tuple[bool, bool, int],
                 fused: bool) -> tuple[int, WorkspaceLayout]:
@@ -189,7 +183,6 @@ class TritonExperts(TritonExpertsBase):
         from moe_modular.kernels.moe_gemm import moe_gemm
         from moe_modular.kernels.moe_sum import moe_sum
         from moe_modular.kernels.sort_rows import sort_rows
-        from moe_modular.kernels.token_gemm2 import token_gemm2
 
         check_device(hidden_states)
         T, K = hidden_states.shape
@@ -241,15 +234,8 @@ class TritonExperts(TritonExpertsBase):
                         amax_El=buf.get("amax"), group_size=group[1] if q.config.is_block else 128,
                         row_mode=RowMode.ROUTES, topk_ids_Tk=topk_ids, expert_map_E=expert_map,
                         num_local_experts=El)
-        g2 = cfg.gemm2
-        if plan.route_sum:  # one token: the second GEMM sums its routes too
-            token_gemm2(buf["intermediate"], w2, output, topk_ids, El, block_n=g2.BLOCK_N, block_k=g2.BLOCK_K,
-                        num_warps=g2.num_warps, num_stages=g2.num_stages, expert_map_E=expert_map,
-                        topk_weights_1k=None if apply_router_weight_on_input else topk_weights.contiguous(),
-                        pdl=bool(g2.pdl))
-            return
-        moe_gemm(buf["intermediate"], w2, y, g2, a_scale=inter_scale, a_scale_mode=modes.a2,
+        moe_gemm(buf["intermediate"], w2, y, cfg.gemm2, a_scale=inter_scale, a_scale_mode=modes.a2,
                  b_scale=q.w2_scale, b_scale_mode=modes.w, group_shape=group, a_row_div=1,
                  topk_weights_Tk=None if apply_router_weight_on_input else topk_weights, a_sorted=sort_mid, **align)
         # with gemm2.pdl the top-k sum, too, starts while the second GEMM finishes
-        moe_sum(y, topk_ids, output, El, expert_map, pdl=bool(g2.pdl))
+        moe_sum(y, topk_ids, output, El, expert_map, pdl=bool(cfg.gemm2.pdl))

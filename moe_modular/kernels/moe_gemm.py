@@ -93,9 +93,6 @@ class GemmTile:
     # anything; the warp-specialized kernel ignores it
     ws: int = 0  # 1: the warp-specialized Gluon kernel (moe_gemm_ws.py, a program per SM) where it covers the launch
     # (ws_applies); elsewhere this kernel, same values
-    route_sum: int = 0  # 1 (read from the second GEMM's tile; unquantized, standard format, one token): TritonExperts
-    # runs that GEMM as token_gemm2.py's matrix-vector kernel (BLOCK_N output columns per program, BLOCK_K steps),
-    # which also sums the token's routes, in place of this kernel and the top-k sum; moe_gemm ignores it
 
 
 @triton.jit
