@@ -202,8 +202,8 @@ class TritonExperts(TritonExpertsBase):
             # sized for another device's tiles (workspace_shapes plans for the current device): route order
             sorting, layout = (False, False, 0), plan.unsorted_layout
         sort_in, sort_mid, _ = sorting
-        y = self._views.get_or_make((workspace13.data_ptr(), workspace13.numel(), workspace13.device, R, K, output.dtype),
-                                    lambda: overlapping_view(workspace13, (R, K), output.dtype))
+        view_key = (workspace13.data_ptr(), workspace13.numel(), workspace13.device, R, K, output.dtype)
+        y = self._views.get_or_make(view_key, lambda: overlapping_view(workspace13, (R, K), output.dtype))
         buf = layout.carve(workspace2)
         if not topk_ids.is_contiguous():
             topk_ids = topk_ids.contiguous()
