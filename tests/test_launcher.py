@@ -58,6 +58,19 @@ def test_arg_kind_is_at_least_as_fine_as_tritons_specialization():
     assert len(set(kinds)) >= len({repr(s) for s in specs})
 
 
+def test_arg_kinds_of_a_launch_equal_arg_kind_of_each_argument(monkeypatch):
+    # launch() keys on arg_kinds (common types inline, int kinds memoized): the same kinds as arg_kind, also
+    # when the memo was cleared on the way (a limit of 3 entries) and when it holds every value already
+    monkeypatch.setattr(launcher, "_INT_KINDS", {})
+    monkeypatch.setattr(launcher, "_INT_KINDS_LIMIT", 3)
+    vals = _sample_values()
+    want = tuple(arg_kind(v) for v in vals)
+    assert launcher.arg_kinds(tuple(vals)) == want
+    assert len(launcher._INT_KINDS) <= 3
+    monkeypatch.setattr(launcher, "_INT_KINDS_LIMIT", 4096)
+    assert launcher.arg_kinds(tuple(vals)) == want and launcher.arg_kinds(tuple(vals)) == want
+
+
 def test_arg_kind_rejects_unknown_types():
     with pytest.raises(TypeError, match="no known specialization"):
         arg_kind([1, 2])

@@ -68,12 +68,33 @@ def arg_kind(v: Any) -> Any:
     if v is None or isinstance(v, (bool, float)):
         return type(v)
     if isinstance(v, int):  # 1, a multiple of 16, int32, past int64 (unsigned)
-        return v == 1, v & 15 == 0, _I32_MIN <= v <= _I32_MAX, v > _I64_MAX
+        return (v == 1, v & 15 == 0, _I32_MIN <= v <= _I32_MAX, v > _I64_MAX)
     block = getattr(v, "block_shape", None)
     if block is not None and hasattr(v, "base"):  # a host tensor descriptor
         return "desc", v.base.dtype, tuple(block), getattr(v, "padding", None)
     raise TypeError(f"launch: a positional argument of type {type(v).__name__} has no known specialization; "
                     f"allowed: tensors, tensor descriptors, int, float, bool, None")
+
+
+# Memo of the kinds of int arguments (strides and sizes repeat from launch to launch); cleared past the limit.
+_INT_KINDS: dict[int, tuple] = {}
+_INT_KINDS_LIMIT = 4096
+
+
+def _int_kind(v: int) -> tuple:
+    kind = (v == 1, v & 15 == 0, _I32_MIN <= v <= _I32_MAX, v > _I64_MAX)
+    if len(_INT_KINDS) >= _INT_KINDS_LIMIT:
+        _INT_KINDS.clear()
+    _INT_KINDS[v] = kind
+    return kind
+
+
+def arg_kinds(args: tuple) -> tuple:
+    """tuple(arg_kind(v) for v in args), with the common types inline and int kinds memoized (this runs for
+    every argument of every launch)."""
+    get = _INT_KINDS.get
+    return tuple([(get(v) or _int_kind(v)) if type(v) is int else
+                  (v.dtype, v.data_ptr() & 15 == 0) if type(v) is torch.Tensor else arg_kind(v) for v in args])
 
 
 @dataclass(frozen=True)
@@ -98,10 +119,7 @@ def launch(kernel, grid: tuple, *args, **kw) -> None:
         kernel[grid](*args, **kw)
         return
     device = torch.cuda.current_device()
-    # arg_kind inline for the common types (this runs for every argument of every launch)
-    kinds = tuple([(v == 1, v & 15 == 0, _I32_MIN <= v <= _I32_MAX, v > _I64_MAX) if type(v) is int else
-                   (v.dtype, v.data_ptr() & 15 == 0) if type(v) is torch.Tensor else arg_kind(v) for v in args])
-    key = (kernel, device, tuple(kw.items()), kinds)
+    key = (kernel, device, tuple(kw.items()), arg_kinds(args))
     kept = _KEPT.get(key, _MISSING)
     if kept is _MISSING:
         _KEPT[key] = _keep(kernel, grid, args, kw, device)
