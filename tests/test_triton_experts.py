@@ -456,7 +456,6 @@ def test_workspaces_sized_for_route_order_keep_route_order():
     assert ((out.float() - ref).norm() / ref.norm()).item() <= tolerance(c.dtype, c.quant)
 
 
-
 def test_one_instance_serves_new_workspaces_and_activations():
     # apply keeps its host-side choices per problem and its views per workspace: workspaces freed and
     # drawn again (poisoned), and another activation on the same instance, each still match the oracle.
@@ -473,6 +472,7 @@ def test_one_instance_serves_new_workspaces_and_activations():
             err = ((out.float() - ref).norm() / ref.norm()).item()
             assert err <= tolerance(c.dtype, c.quant), f"{activation}: relative error {err:.3e}"
             del ws13, ws2
+
 
 # ---- capabilities -----------------------------------------------------------------------------
 def test_capabilities_are_declared_by_the_classes():

@@ -67,8 +67,8 @@ def arg_kind(v: Any) -> Any:
         return v.dtype, v.data_ptr() & 15 == 0
     if v is None or isinstance(v, (bool, float)):
         return type(v)
-    if isinstance(v, int):  # 1, a multiple of 16, int32, past int64 (unsigned)
-        return (v == 1, v & 15 == 0, _I32_MIN <= v <= _I32_MAX, v > _I64_MAX)
+    if isinstance(v, int):
+        return _int_kind(v)
     block = getattr(v, "block_shape", None)
     if block is not None and hasattr(v, "base"):  # a host tensor descriptor
         return "desc", v.base.dtype, tuple(block), getattr(v, "padding", None)
@@ -82,6 +82,7 @@ _INT_KINDS_LIMIT = 4096
 
 
 def _int_kind(v: int) -> tuple:
+    """1, a multiple of 16, int32, past int64 (unsigned); remembered in _INT_KINDS."""
     kind = (v == 1, v & 15 == 0, _I32_MIN <= v <= _I32_MAX, v > _I64_MAX)
     if len(_INT_KINDS) >= _INT_KINDS_LIMIT:
         _INT_KINDS.clear()
