@@ -115,6 +115,51 @@ def test_launch_hooks_are_seen_only_when_set():
     assert not launcher._hooked()
 
 
+class _FakeDriverLauncher:
+    """Stands in for triton 3.6's CudaLauncher: its launch function records what it is given."""
+
+    def __init__(self, global_scratch_size: int = 0, profile_scratch_size: int = 0) -> None:
+        self.calls: list[tuple] = []
+        self.launch = lambda *a: self.calls.append(a)
+        self.launch_cooperative_grid, self.launch_pdl, self.num_ctas = False, True, 1
+        self.global_scratch_size, self.profile_scratch_size = global_scratch_size, profile_scratch_size
+        self.global_scratch_align = self.profile_scratch_align = 1
+
+
+def test_bare_launch_passes_what_the_driver_launcher_passes(monkeypatch):
+    """A kept kernel without scratch memory is launched through the driver launcher's launch function, with the
+    arguments triton 3.6's CudaLauncher.__call__ would pass it; with scratch memory, through __call__ itself."""
+    cuda_driver = pytest.importorskip("triton.backends.nvidia.driver")
+    import triton.runtime
+
+    run = _FakeDriverLauncher()
+    # what Triton's own CudaLauncher.__call__ hands its launch function (no scratch: nothing allocated)
+    cuda_driver.CudaLauncher.__call__(run, 3, 1, 1, 77, "function", "packed", None, None, None, "x", 5, 64)
+    bare = launcher._bare_launch(run)
+    assert bare == (run.launch, False, True)
+
+    class Kernel:  # launch() takes an object with device_caches for a compiled (not interpreted) kernel
+        device_caches: dict = {}
+
+    kernel, x = Kernel(), torch.empty(4)
+    key = (kernel, 0, (("BLOCK", 64),), launcher.arg_kinds((x, 5)))
+    kept = launcher._Kept(run, "function", "packed", (64,), None, bare)
+    monkeypatch.setitem(launcher._KEPT, key, kept)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(launcher, "_hooked", lambda: False)
+    monkeypatch.setattr(triton.runtime, "driver", type("D", (), {"active": type("A", (), {
+        "get_current_stream": staticmethod(lambda device: 77)})()})())
+    with launch_mode("direct"):
+        launch(kernel, (3,), x, 5, BLOCK=64)
+    assert len(run.calls) == 2
+    want, got = run.calls
+    assert got[:13] == want[:13] and got[14:] == want[14:] and got[13] is x, (got, want)
+
+    assert launcher._bare_launch(_FakeDriverLauncher(global_scratch_size=128)) is None
+    assert launcher._bare_launch(_FakeDriverLauncher(profile_scratch_size=8)) is None
+    assert launcher._bare_launch(object()) is None
+
+
 @triton.jit
 def _axpy_kernel(x_ptr, y_ptr, n, alpha, BLOCK: tl.constexpr):
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)

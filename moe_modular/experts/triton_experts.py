@@ -44,6 +44,15 @@ from moe_modular.experts.triton_experts_base import TritonExpertsBase
 from moe_modular.interfaces import ActivationFormat, ExpertTokensMetadata
 from moe_modular.weight_and_reduce import TopKWeightAndReduceNoOp
 
+try:  # the kernels apply launches, imported once (not on every forward); without triton supports() says no
+    from moe_modular.kernels.act_and_mul import RowMode, act_and_mul
+    from moe_modular.kernels.moe_align import moe_align
+    from moe_modular.kernels.moe_gemm import moe_gemm
+    from moe_modular.kernels.moe_sum import moe_sum
+    from moe_modular.kernels.sort_rows import sort_rows
+except ImportError:  # pragma: no cover - triton is a dependency; triton_common.TRITON_IMPORT_ERROR says why
+    pass
+
 if TYPE_CHECKING:
     from moe_modular.kernels.moe_gemm import GemmTile
     from moe_modular.tile_config import TileConfig
@@ -178,12 +187,6 @@ class TritonExperts(TritonExpertsBase):
         (T, G)) or the activation dtype; w1 (El, N2, K), w2 (El, K, Ni); topk_weights (T, k) float32;
         topk_ids (T, k) int: global ids mapped by expert_map (E,) int32, or local ids (-1 or any id
         outside [0, El) = not held here) when expert_map is None; a2_scale (1,) for static schemes."""
-        from moe_modular.kernels.act_and_mul import RowMode, act_and_mul
-        from moe_modular.kernels.moe_align import moe_align
-        from moe_modular.kernels.moe_gemm import moe_gemm
-        from moe_modular.kernels.moe_sum import moe_sum
-        from moe_modular.kernels.sort_rows import sort_rows
-
         check_device(hidden_states)
         T, K = hidden_states.shape
         topk = topk_ids.shape[1]

@@ -107,6 +107,9 @@ class _Kept:
     packed_metadata: Any
     tail: tuple  # the values of the parameters after the positional ones (keywords and defaults)
     triton_key: Optional[str]  # Triton's cache key (None where its internals differ from triton 3.6's)
+    # the driver launcher's own launch function and its two flags, where the kernel needs no scratch memory
+    # (then run(...) only adds a Python frame before it); None: launch through run
+    bare: Optional[tuple] = None
 
 
 _KEPT: dict[tuple, Optional[_Kept]] = {}  # None: this key always takes Triton's path (interpreter)
@@ -133,8 +136,13 @@ def launch(kernel, grid: tuple, *args, **kw) -> None:
     g0, g1, g2 = (tuple(grid) + (1, 1))[:3]
     from triton.runtime import driver
 
-    kept.run(g0, g1, g2, driver.active.get_current_stream(device), kept.function, kept.packed_metadata,
-             None, None, None, *args, *kept.tail)
+    stream = driver.active.get_current_stream(device)
+    if kept.bare is not None:
+        call, cooperative, pdl = kept.bare
+        call(g0, g1, g2, stream, kept.function, cooperative, pdl, None, None, kept.packed_metadata, None, None, None,
+             *args, *kept.tail)
+    else:
+        kept.run(g0, g1, g2, stream, kept.function, kept.packed_metadata, None, None, None, *args, *kept.tail)
 
 
 def _hooked() -> bool:
@@ -177,8 +185,19 @@ def _keep(kernel, grid, args: tuple, kw: dict, device: int) -> Optional[_Kept]:
     extra = [k for k in kw if k in names[: len(args)]]
     if extra:
         raise TypeError(f"launch: {extra} of {kernel.__name__} given both positionally and by keyword")
-    return _Kept(compiled.run, compiled.function, compiled.packed_metadata, tuple(tail),
-                 _triton_key(kernel, args, kw, device))
+    run = compiled.run
+    return _Kept(run, compiled.function, compiled.packed_metadata, tuple(tail), _triton_key(kernel, args, kw, device),
+                 _bare_launch(run))
+
+
+def _bare_launch(run) -> Optional[tuple]:
+    """(launch, launch_cooperative_grid, launch_pdl) of a triton 3.6 CudaLauncher whose kernel needs no global or
+    profile scratch memory: what its __call__ passes on after allocating none; None otherwise (other Triton
+    versions, or scratch to allocate per launch)."""
+    names = ("launch", "launch_cooperative_grid", "launch_pdl", "global_scratch_size", "profile_scratch_size")
+    if not all(hasattr(run, n) for n in names) or run.global_scratch_size or run.profile_scratch_size:
+        return None
+    return run.launch, run.launch_cooperative_grid, run.launch_pdl
 
 
 def _triton_key(kernel, args: tuple, kw: dict, device: int) -> Optional[str]:
