@@ -13,6 +13,7 @@ import torch
 
 from moe_modular.config import Activation, MoEConfig
 from moe_modular.experts.batched_triton_experts import BatchedTritonExperts
+from moe_modular.experts import triton_experts as triton_experts_module
 from moe_modular.experts.triton_experts import TritonExperts
 from moe_modular.interfaces import ActivationFormat
 from moe_modular.kernels.moe_gemm import GemmTile, gpu_has_tma
@@ -153,11 +154,9 @@ def test_triton_experts_match_oracle(c: Case):
 def test_activation_in_the_first_gemm_or_its_own_kernel(c: Case, fuse: bool, monkeypatch):
     # Unquantized SiLU / GELU: fused, the first GEMM writes act(gate) * up and act_and_mul never
     # runs; fuse_activation=False keeps the separate kernel. Both match the oracle.
-    from moe_modular.kernels import act_and_mul as act_module
-
     calls = []
-    real = act_module.act_and_mul
-    monkeypatch.setattr(act_module, "act_and_mul", lambda *a, **k: calls.append(1) or real(*a, **k))
+    real = triton_experts_module.act_and_mul
+    monkeypatch.setattr(triton_experts_module, "act_and_mul", lambda *a, **k: calls.append(1) or real(*a, **k))
     moe, qp, x, w1, w2, tw, ti, expert_map = make_inputs(c, seed=c.T + 3 * c.E)
     fe = TritonExperts(moe, qp, fuse_activation=fuse)
     ws13, ws2, out = _poisoned_workspaces(fe, c.T, w1.shape[1], c.K, c.topk, c.E, w1.shape[0])
@@ -292,11 +291,9 @@ def test_sorted_rows_through_descriptors_match_oracle(c: Case, a_tma, monkeypatc
     # gemm1.a_tma: the tokens are gathered into sorted order (sort_rows) and GEMM1 reads them by block;
     # gemm2.a_tma: GEMM1 writes the intermediate in sorted order for GEMM2. Only where GEMM1 applies
     # the activation (fp8 schemes keep route order); workspaces poisoned, results match the oracle.
-    from moe_modular.kernels import sort_rows as sort_module
-
     calls = []
-    real = sort_module.sort_rows
-    monkeypatch.setattr(sort_module, "sort_rows", lambda *a, **k: calls.append(1) or real(*a, **k))
+    real = triton_experts_module.sort_rows
+    monkeypatch.setattr(triton_experts_module, "sort_rows", lambda *a, **k: calls.append(1) or real(*a, **k))
     moe, qp, x, w1, w2, tw, ti, expert_map = make_inputs(c, seed=c.T + 5 * c.E)
     tile = GemmTile(16, 64, 64, 1, 4, 2, 1)
     fe = TritonExperts(moe, qp, tile_config=TileConfig(replace(tile, a_tma=a_tma[0]), replace(tile, a_tma=a_tma[1])))
@@ -404,11 +401,9 @@ def test_fp8_block_activation_and_quantization_in_the_first_gemm_match_oracle(c:
     # act_q: the fp8-block first GEMM applies the activation and quantizes the intermediate in 1 x 32
     # groups in its epilogue (fused BLOCK_N 32 holds one group): no float32 h1 in workspace13, no
     # act_and_mul launch; workspaces poisoned, results match the oracle
-    from moe_modular.kernels import act_and_mul as act_module
-
     calls = []
-    real = act_module.act_and_mul
-    monkeypatch.setattr(act_module, "act_and_mul", lambda *a, **k: calls.append(1) or real(*a, **k))
+    real = triton_experts_module.act_and_mul
+    monkeypatch.setattr(triton_experts_module, "act_and_mul", lambda *a, **k: calls.append(1) or real(*a, **k))
     moe, qp, x, w1, w2, tw, ti, expert_map = make_inputs(c, seed=c.T + 7 * c.E)
     tile = GemmTile(16, 64, 32, 1, 4, 2)
     fe = TritonExperts(moe, qp, tile_config=TileConfig(replace(tile, act_q=1), tile))
