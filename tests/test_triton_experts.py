@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from moe_modular.config import Activation, MoEConfig
+from moe_modular.experts import batched_triton_experts as batched_triton_experts_module
 from moe_modular.experts.batched_triton_experts import BatchedTritonExperts
 from moe_modular.experts import triton_experts as triton_experts_module
 from moe_modular.experts.triton_experts import TritonExperts
@@ -193,11 +194,9 @@ def test_batched_triton_experts_match_oracle(c: Case):
 
 @pytest.mark.parametrize("fuse", [True, False], ids=["fused", "separate"])
 def test_batched_activation_in_the_first_gemm_or_its_own_kernel(fuse: bool, monkeypatch):
-    from moe_modular.kernels import act_and_mul as act_module
-
     calls = []
-    real = act_module.act_and_mul
-    monkeypatch.setattr(act_module, "act_and_mul", lambda *a, **k: calls.append(1) or real(*a, **k))
+    real = batched_triton_experts_module.act_and_mul
+    monkeypatch.setattr(batched_triton_experts_module, "act_and_mul", lambda *a, **k: calls.append(1) or real(*a, **k))
     c = Case(9, 7, 3, activation=Activation.GELU)
     moe, qp, x, w1, w2, tw, ti, _ = make_inputs(c, seed=21)
     fe = BatchedTritonExperts(moe, qp, fuse_activation=fuse)

@@ -27,6 +27,12 @@ from moe_modular.experts.triton_experts_base import TritonExpertsBase
 from moe_modular.interfaces import ActivationFormat, ExpertTokensMetadata
 from moe_modular.weight_and_reduce import TopKWeightAndReduceDelegate
 
+try:  # the kernels apply launches, imported once (not on every forward); without triton supports() says no
+    from moe_modular.kernels.act_and_mul import RowMode, act_and_mul
+    from moe_modular.kernels.moe_gemm import AScale, moe_gemm
+except ImportError:  # pragma: no cover - triton is a dependency; triton_common.TRITON_IMPORT_ERROR says why
+    pass
+
 
 class BatchedTritonExperts(TritonExpertsBase):
     """bf16 / fp16 / fp32, unquantized or any fp8 scheme (as TritonExperts); SiLU, GELU,
@@ -86,9 +92,6 @@ class BatchedTritonExperts(TritonExpertsBase):
         (El, Bt, 1) / (El, Bt, G)) or the activation dtype; w1 (El, N2, K), w2 (El, K, Ni);
         expert_tokens_meta.expert_num_tokens (El,) int32 on the device; a2_scale (1,) when static.
         topk_weights / topk_ids / expert_map are not read (the PF reduces)."""
-        from moe_modular.kernels.act_and_mul import RowMode, act_and_mul
-        from moe_modular.kernels.moe_gemm import AScale, moe_gemm
-
         if expert_tokens_meta is None:
             raise ValueError("BatchedTritonExperts needs expert_tokens_meta (expert_num_tokens)")
         check_device(hidden_states)
