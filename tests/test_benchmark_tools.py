@@ -363,3 +363,36 @@ def test_routing_cost_rejects_an_m_that_cannot_be_balanced(capsys):
     with pytest.raises(SystemExit):
         routing_cost.parse_args(["--smoke", "--shapes", "tiny", "-m", "3"])
     assert "-m (3): M * topk (2) must be a positive multiple of E (8) for shape tiny" in capsys.readouterr().err
+
+
+# ---- tools/align_paths.py -------------------------------------------------------------------
+def test_align_paths_smoke_checks_and_times_both_paths(tmp_path, capsys):
+    from tools import align_paths
+
+    assert align_paths.main(["--smoke", "--shapes", "tiny-e16", "-m", "1", "40", "--out", str(tmp_path)]) == 0
+    assert "M=1: 4 routes fit one chunk" in capsys.readouterr().out
+    with open(tmp_path / "align_paths.csv") as f:
+        rows = list(csv.DictReader(f))
+    assert [(int(r["M"]), int(r["routes"]), int(r["chunks"])) for r in rows] == [(40, 160, 2)]
+    r = rows[0]
+    assert float(r["us_one"]) > 0 and float(r["us_three"]) > 0
+    assert float(r["three_over_one"]) == pytest.approx(float(r["us_three"]) / float(r["us_one"]))
+
+
+def test_align_paths_check_refuses_a_path_that_differs_from_the_oracle(monkeypatch):
+    from moe_modular.kernels import moe_align as align_module
+    from tools import align_paths
+
+    ids = torch.randint(0, 16, (40, 4), dtype=torch.int32)
+    align_paths.check_paths(ids, 16, 16)
+    real = align_module.moe_align
+
+    def swapped(*args, onepass_max_chunks, **kwargs):  # the three-launch path loses its last route
+        sorted_ids, block_expert, npp = real(*args, onepass_max_chunks=onepass_max_chunks, **kwargs)
+        if onepass_max_chunks == 1:
+            sorted_ids[int(npp.item()) - 1] = -3
+        return sorted_ids, block_expert, npp
+
+    monkeypatch.setattr(align_module, "moe_align", swapped)
+    with pytest.raises(RuntimeError, match="path 'three' differs from the oracle"):
+        align_paths.check_paths(ids, 16, 16)

@@ -14,9 +14,12 @@ Output layout (what the grouped GEMM reads):
   num_post_padded (1,) int32: the number of meaningful entries of sorted_ids_S.
 Routes whose expert is not held here (expert_map -1, or a local id outside [0, El)) get no slot.
 
-Everything is computed on the device, in one launch when all routes fit one ALIGN_BLOCK chunk
-(decode) and otherwise in three (count, offsets, scatter), and sized from
-host integers only, so the caller never synchronizes and the allocation does not depend on data.
+Everything is computed on the device and sized from host integers only, so the caller never
+synchronizes and the allocation does not depend on data. Launches:
+  - all routes in one ALIGN_BLOCK chunk (decode): one program does everything;
+  - up to ONEPASS_MAX_CHUNKS chunks: one launch of a program per chunk, each histogramming every route
+    (the totals give the experts' starts, the routes before its chunk its prefix) before placing its own;
+  - more: three launches (count, offsets, scatter), so no program reads more than its count chunks.
 """
 from __future__ import annotations
 
@@ -37,6 +40,11 @@ ALIGN_BLOCK = 128
 # count chunk, which costs more than it saves below GROUPED_FROM chunks.
 COUNT_GROUP = 8
 GROUPED_FROM = 128
+# Route chunks up to which one launch places every route (each program reads all R routes, so its work
+# grows with R while the three launches' fixed cost does not); the routes each of its programs
+# histograms per step.
+ONEPASS_MAX_CHUNKS = 64
+ONEPASS_SCAN = 1024
 
 
 def num_bins(num_local_experts: int) -> int:
@@ -119,16 +127,21 @@ def _align_offsets_kernel(counts_ptr, expert_start_ptr, sorted_ids_ptr, block_ex
 
 
 @triton.jit
+def _padded_ranges(count, BLOCK_M: tl.constexpr):
+    """From the route count of every expert (NUM_BINS,): each expert's padded [start, end) and the total."""
+    padded = tl.cdiv(count, BLOCK_M) * BLOCK_M
+    end = tl.cumsum(padded, axis=0)
+    return end - padded, end, tl.sum(padded, axis=0)
+
+
+@triton.jit
 def _write_layout(count, expert_start_ptr, sorted_ids_ptr, block_expert_ptr, num_post_padded_ptr, num_routes,
                   num_blocks, NUM_BINS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCKS_PER_ITER: tl.constexpr):
     """From the route count of every expert (NUM_BINS,): each expert's padded start (stored and
     returned), num_post_padded, the expert of every block and the sentinel padding."""
     bins = tl.arange(0, NUM_BINS)
-    padded = tl.cdiv(count, BLOCK_M) * BLOCK_M
-    end = tl.cumsum(padded, axis=0)
-    start = end - padded
+    start, end, total = _padded_ranges(count, BLOCK_M)
     tl.store(expert_start_ptr + bins, start)
-    total = tl.sum(padded, axis=0)
     tl.store(num_post_padded_ptr, total)
     # The expert of block b is the number of experts whose padded range ends at or before b * BLOCK_M.
     for b0 in range(0, num_blocks, BLOCKS_PER_ITER):
@@ -176,6 +189,40 @@ def _align_small_kernel(topk_ids_ptr, expert_map_ptr, expert_start_ptr, sorted_i
 
 
 @triton.jit
+def _align_onepass_kernel(topk_ids_ptr, expert_map_ptr, expert_start_ptr, sorted_ids_ptr, block_expert_ptr,
+                          num_post_padded_ptr, num_routes, num_local_experts, num_blocks,
+                          HAS_MAP: tl.constexpr, NUM_BINS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK: tl.constexpr,
+                          SCAN: tl.constexpr, BLOCKS_PER_ITER: tl.constexpr):
+    """Program p histograms every route (SCAN at a time): the totals give each expert's padded start, the
+    routes before its chunk (BLOCK routes) their prefix; it places its chunk's routes, and program 0 also
+    writes the layout (num_post_padded, block experts, sentinels)."""
+    pid = tl.program_id(0)
+    first = pid * BLOCK
+    total = tl.zeros((NUM_BINS,), dtype=tl.int32)
+    before = tl.zeros((NUM_BINS,), dtype=tl.int32)
+    for c0 in range(0, num_routes, SCAN):
+        offs_c = c0 + tl.arange(0, SCAN)
+        e_c, v_c = _local_expert_of_route(topk_ids_ptr, expert_map_ptr, offs_c, num_routes, num_local_experts,
+                                          HAS_MAP)
+        hist = tl.histogram(e_c, NUM_BINS, mask=v_c).to(tl.int32)
+        total += hist
+        if c0 + SCAN <= first:
+            before += hist
+        elif c0 < first:
+            before += tl.histogram(e_c, NUM_BINS, mask=v_c & (offs_c < first)).to(tl.int32)
+    if pid == 0:
+        start = _write_layout(total, expert_start_ptr, sorted_ids_ptr, block_expert_ptr, num_post_padded_ptr,
+                              num_routes, num_blocks, NUM_BINS, BLOCK_M, BLOCKS_PER_ITER)
+    else:
+        start, _, _ = _padded_ranges(total, BLOCK_M)
+    offs = first + tl.arange(0, BLOCK)
+    expert, valid = _local_expert_of_route(topk_ids_ptr, expert_map_ptr, offs, num_routes, num_local_experts,
+                                           HAS_MAP)
+    slot = _per_lane(start + before, expert, NUM_BINS) + _rank_in_block(expert, valid, BLOCK)
+    tl.store(sorted_ids_ptr + slot, offs, mask=valid)
+
+
+@triton.jit
 def _align_scatter_kernel(topk_ids_ptr, expert_map_ptr, prefix_ptr, expert_start_ptr, sorted_ids_ptr,
                           num_routes, num_local_experts,
                           HAS_MAP: tl.constexpr, NUM_BINS: tl.constexpr, BLOCK: tl.constexpr,
@@ -216,18 +263,22 @@ def moe_align(
     num_local_experts: int,
     expert_map_E: Optional[torch.Tensor] = None,
     buffers: Optional[dict[str, torch.Tensor]] = None,
+    onepass_max_chunks: int = ONEPASS_MAX_CHUNKS,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Align the routes of topk_ids_Tk (T, k) int32/int64 to BLOCK_M blocks per local expert.
 
     topk_ids are global ids mapped through expert_map_E (E,) int32 (-1: not held here) when it is
     given, else local ids (a value outside [0, El) means not held here).
     buffers: optional int32 views sized by align_workspace_numel (else allocated).
+    onepass_max_chunks: route chunks up to which one launch does it all (else three; the same result).
     Returns (sorted_ids_S, block_expert_Mb, num_post_padded (1,)), all int32 on the ids' device.
     """
     if topk_ids_Tk.dim() != 2:
         raise ValueError(f"topk_ids must be 2-D (T, k), got shape {tuple(topk_ids_Tk.shape)}")
     if block_m < 1 or block_m & (block_m - 1):
         raise ValueError(f"block_m ({block_m}) must be a power of two")
+    if onepass_max_chunks < 1:
+        raise ValueError(f"onepass_max_chunks ({onepass_max_chunks}) must be >= 1")
     ids = topk_ids_Tk if topk_ids_Tk.is_contiguous() else topk_ids_Tk.contiguous()
     R = ids.numel()
     El = int(num_local_experts)
@@ -254,6 +305,11 @@ def moe_align(
                sizes["block_expert"], HAS_MAP=has_map, NUM_BINS=Eb, BLOCK_M=block_m,
                BLOCK=max(16, next_pow2(R)), BLOCKS_PER_ITER=blocks_per_iter,
                num_warps=4 if Eb * block_m <= 8192 else 8)
+        return sorted_ids, block_expert, num_post_padded
+    if P <= onepass_max_chunks:
+        launch(_align_onepass_kernel, (P,), ids, emap, start, sorted_ids, block_expert, num_post_padded, R, El,
+               sizes["block_expert"], HAS_MAP=has_map, NUM_BINS=Eb, BLOCK_M=block_m, BLOCK=ALIGN_BLOCK,
+               SCAN=ONEPASS_SCAN, BLOCKS_PER_ITER=blocks_per_iter)
         return sorted_ids, block_expert, num_post_padded
     C, G = num_count_chunks(R), count_group(R)
     counts = buffers["counts"][: C * Eb]
