@@ -365,34 +365,43 @@ def test_routing_cost_rejects_an_m_that_cannot_be_balanced(capsys):
     assert "-m (3): M * topk (2) must be a positive multiple of E (8) for shape tiny" in capsys.readouterr().err
 
 
-# ---- tools/align_paths.py -------------------------------------------------------------------
-def test_align_paths_smoke_checks_and_times_both_paths(tmp_path, capsys):
-    from tools import align_paths
+# ---- tools/align_time.py --------------------------------------------------------------------
+def test_align_time_smoke_checks_and_times_this_tree_against_a_baseline(tmp_path, capsys):
+    from tools import align_time
 
-    assert align_paths.main(["--smoke", "--shapes", "tiny-e16", "-m", "1", "40", "--out", str(tmp_path)]) == 0
-    assert "M=1: 4 routes fit one chunk" in capsys.readouterr().out
-    with open(tmp_path / "align_paths.csv") as f:
+    baseline = os.path.join(os.path.dirname(align_time.__file__), "..", "moe_modular", "kernels", "moe_align.py")
+    assert align_time.main(["--smoke", "--shapes", "tiny-e16", "-m", "1", "40", "--baseline", baseline,
+                            "--out", str(tmp_path)]) == 0
+    assert "| tiny-e16 | 40 | 160 |" in capsys.readouterr().out
+    with open(tmp_path / "align_time.csv") as f:
         rows = list(csv.DictReader(f))
-    assert [(int(r["M"]), int(r["routes"]), int(r["chunks"])) for r in rows] == [(40, 160, 2)]
-    r = rows[0]
-    assert float(r["us_one"]) > 0 and float(r["us_three"]) > 0
-    assert float(r["three_over_one"]) == pytest.approx(float(r["us_three"]) / float(r["us_one"]))
+    assert [(int(r["M"]), int(r["routes"])) for r in rows] == [(1, 4), (40, 160)]
+    for r in rows:
+        assert float(r["us"]) > 0 and float(r["us_baseline"]) > 0
+        assert float(r["baseline_over_this"]) == pytest.approx(float(r["us_baseline"]) / float(r["us"]))
 
 
-def test_align_paths_check_refuses_a_path_that_differs_from_the_oracle(monkeypatch):
+def test_align_time_check_refuses_a_version_that_differs_from_the_oracle():
     from moe_modular.kernels import moe_align as align_module
-    from tools import align_paths
+    from tools import align_time
 
-    ids = torch.randint(0, 16, (40, 4), dtype=torch.int32)
-    align_paths.check_paths(ids, 16, 16)
-    real = align_module.moe_align
+    ids = torch.randint(0, 16, (40, 4), dtype=torch.int32, device="cuda" if torch.cuda.is_available() else "cpu")
+    align_time.check(align_module, ids, 16, 16, "this")
 
-    def swapped(*args, onepass_max_chunks, **kwargs):  # the three-launch path loses its last route
-        sorted_ids, block_expert, npp = real(*args, onepass_max_chunks=onepass_max_chunks, **kwargs)
-        if onepass_max_chunks == 1:
+    class LosesARoute:  # the last meaningful entry overwritten
+        @staticmethod
+        def moe_align(*args, **kwargs):
+            sorted_ids, block_expert, npp = align_module.moe_align(*args, **kwargs)
             sorted_ids[int(npp.item()) - 1] = -3
-        return sorted_ids, block_expert, npp
+            return sorted_ids, block_expert, npp
 
-    monkeypatch.setattr(align_module, "moe_align", swapped)
-    with pytest.raises(RuntimeError, match="path 'three' differs from the oracle"):
-        align_paths.check_paths(ids, 16, 16)
+    with pytest.raises(RuntimeError, match="moe_align of broken differs from the oracle"):
+        align_time.check(LosesARoute, ids, 16, 16, "broken")
+
+
+def test_align_time_rejects_a_missing_baseline(capsys, tmp_path):
+    from tools import align_time
+
+    with pytest.raises(SystemExit):
+        align_time.parse_args(["--smoke", "--baseline", str(tmp_path / "nope.py")])
+    assert "--baseline (" in capsys.readouterr().err

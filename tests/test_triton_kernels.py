@@ -38,29 +38,25 @@ def _expert_map(E: int, held: list[int]) -> torch.Tensor:
 
 
 # ---- moe_align --------------------------------------------------------------------------
-# (T, k, El, BLOCK_M, map: None | "half" (every other global expert held) | "local-1" (EP local ids with -1))
+# (T, k, El, BLOCK_M, map: None | "half" (every other global expert held) | "local-1" (EP local ids with -1)
+#  | "skewed" (local ids, nine routes in ten on expert 5))
 ALIGN_CASES = [
     (1, 1, 3, 16, None),  # M=1, topk=1: one route, one padded block
     (0, 2, 4, 16, None),  # M=0: no blocks, num_post_padded 0
     (7, 2, 13, 16, None),  # prime El, most experts empty
     (33, 4, 8, 32, "half"),  # expert_map with -1 experts: their routes get no slot
     (9, 3, 5, 16, "local-1"),  # local ids with -1 (routes held elsewhere)
-    (100, 3, 7, 16, None),  # R = 300 > ALIGN_BLOCK: the three-launch path with prefixes across chunks
+    (100, 3, 7, 16, None),  # R = 300 > ALIGN_BLOCK: count and place launches, prefixes across chunks
     (70, 4, 6, 64, "half"),  # multi-chunk with a map and a wide block
     (300, 4, 9, 16, "half"),  # R = 1200: one route chunk per count chunk (below GROUPED_FROM chunks)
     (2100, 8, 16, 64, None),  # R = 16800: 132 route chunks in count chunks of COUNT_GROUP
+    (150, 4, 256, 16, "skewed"),  # 256 bins: an expert's run of blocks spans several layout steps
+    (20, 3, 256, 16, "skewed"),  # 256 bins in the one-program path
 ]
 
 
-# Multi-chunk batches run either in one launch or in three (count, offsets, scatter): both are checked.
-ALIGN_PATHS = {"onepass": 1 << 30, "three": 1}
-
-
-@pytest.mark.parametrize("path", list(ALIGN_PATHS))
 @pytest.mark.parametrize("T,k,El,block_m,kind", ALIGN_CASES)
-def test_moe_align_matches_oracle(T, k, El, block_m, kind, path):
-    if path == "three" and T * k <= ALIGN_BLOCK:
-        pytest.skip("one route chunk: a single program whatever the path")
+def test_moe_align_matches_oracle(T, k, El, block_m, kind):
     g = _gen(T * 31 + El)
     E = 2 * El if kind == "half" else El
     ids = torch.randint(0, E, (T, k), generator=g, dtype=torch.int32)
@@ -69,11 +65,12 @@ def test_moe_align_matches_oracle(T, k, El, block_m, kind, path):
         emap = _expert_map(E, list(range(0, E, 2)))
     elif kind == "local-1":
         ids[torch.rand(T, k, generator=g) < 0.3] = -1
+    elif kind == "skewed":
+        ids[torch.rand(T, k, generator=g) < 0.9] = 5
     # poisoned: every entry the oracle expects must be written
     buffers = {name: torch.full((n,), -7, dtype=torch.int32, device=DEVICE)
                for name, n in align_workspace_numel(T * k, El, block_m).items()}
-    sorted_ids, block_expert, npp = moe_align(ids.to(DEVICE), block_m, El, emap, buffers=buffers,
-                                              onepass_max_chunks=ALIGN_PATHS[path])
+    sorted_ids, block_expert, npp = moe_align(ids.to(DEVICE), block_m, El, emap, buffers=buffers)
     ref_sorted, ref_blocks, ref_n = moe_align_torch(ids, block_m, El, None if emap is None else emap.cpu())
     n = int(npp.item())
     assert n == ref_n

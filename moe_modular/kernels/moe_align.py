@@ -3,7 +3,7 @@
 Shape legend:
   T tokens   k topk   R = T * k routes (route r = token r // k, slot r % k)
   E global experts    El local experts    Eb histogram bins (next power of two >= El)
-  P route chunks of ALIGN_BLOCK routes (scatter)    C count chunks of count_group(R) route chunks
+  P route chunks of ALIGN_BLOCK routes (placing programs)    C count chunks of count_group(R) route chunks
   S sorted-id capacity    Mb blocks of BLOCK_M rows
 
 Output layout (what the grouped GEMM reads):
@@ -15,11 +15,10 @@ Output layout (what the grouped GEMM reads):
 Routes whose expert is not held here (expert_map -1, or a local id outside [0, El)) get no slot.
 
 Everything is computed on the device and sized from host integers only, so the caller never
-synchronizes and the allocation does not depend on data. Launches:
-  - all routes in one ALIGN_BLOCK chunk (decode): one program does everything;
-  - up to ONEPASS_MAX_CHUNKS chunks: one launch of a program per chunk, each histogramming every route
-    (the totals give the experts' starts, the routes before its chunk its prefix) before placing its own;
-  - more: three launches (count, offsets, scatter), so no program reads more than its count chunks.
+synchronizes and the allocation does not depend on data. When all routes fit one ALIGN_BLOCK chunk
+(decode) one program does it all; otherwise two launches: a program per count chunk histograms its routes,
+then a program per route chunk sums those histograms (all of them: each expert's padded start; the ones
+before its chunk: its prefix) and places its routes, program 0 also writing the layout.
 """
 from __future__ import annotations
 
@@ -32,19 +31,17 @@ import triton.language as tl
 from moe_modular.kernels.host import cdiv, next_pow2
 from moe_modular.kernels.launcher import launch
 
-# Routes per program in the scatter kernel (the in-chunk rank is a BLOCK x BLOCK compare).
+# Routes per placing program (the in-chunk rank is a BLOCK x BLOCK compare).
 ALIGN_BLOCK = 128
 # Route chunks per count chunk from GROUPED_FROM route chunks on: the count kernel histograms
-# COUNT_GROUP * ALIGN_BLOCK routes per program, so the one-program prefix scan walks COUNT_GROUP times
-# fewer rows; a scatter program recounts the (at most COUNT_GROUP - 1) earlier route chunks of its
-# count chunk, which costs more than it saves below GROUPED_FROM chunks.
+# COUNT_GROUP * ALIGN_BLOCK routes per program, so every placing program sums COUNT_GROUP times fewer
+# histogram rows; it recounts the (at most COUNT_GROUP - 1) earlier route chunks of its count chunk, which
+# costs more than it saves below GROUPED_FROM chunks.
 COUNT_GROUP = 8
 GROUPED_FROM = 128
-# Route chunks up to which one launch places every route (each program reads all R routes, so its work
-# grows with R while the three launches' fixed cost does not); the routes each of its programs
-# histograms per step.
-ONEPASS_MAX_CHUNKS = 64
-ONEPASS_SCAN = 1024
+# Elements per step of the layout writes (block experts, the -1 tail) and of the histogram-row sums.
+LAYOUT_TILE = 8192
+FILL_BLOCK = 1024
 
 
 def num_bins(num_local_experts: int) -> int:
@@ -67,7 +64,7 @@ def sorted_capacity(num_routes: int, num_local_experts: int, block_m: int) -> in
 
 
 def num_chunks(num_routes: int) -> int:
-    """Route chunks (scatter programs)."""
+    """Route chunks (placing programs)."""
     return cdiv(num_routes, ALIGN_BLOCK)
 
 
@@ -77,7 +74,7 @@ def count_group(num_routes: int) -> int:
 
 
 def num_count_chunks(num_routes: int) -> int:
-    """Count chunks (count programs, rows of the prefix scan)."""
+    """Count chunks (count programs, histogram rows)."""
     return cdiv(num_routes, ALIGN_BLOCK * count_group(num_routes))
 
 
@@ -106,55 +103,34 @@ def _align_count_kernel(topk_ids_ptr, expert_map_ptr, counts_ptr, num_routes, nu
 
 
 @triton.jit
-def _align_offsets_kernel(counts_ptr, expert_start_ptr, sorted_ids_ptr, block_expert_ptr, num_post_padded_ptr,
-                          num_chunks, num_routes, num_blocks,
-                          NUM_BINS: tl.constexpr, BLOCK_M: tl.constexpr, ROWS: tl.constexpr,
-                          BLOCKS_PER_ITER: tl.constexpr):
-    """One program: turn counts_CEb into per-count-chunk exclusive prefixes (in place), write each
-    expert's padded start, num_post_padded, the expert of every block and the sentinel padding."""
-    bins = tl.arange(0, NUM_BINS)
-    running = tl.zeros((NUM_BINS,), dtype=tl.int32)
-    for p0 in range(0, num_chunks, ROWS):
-        rows = p0 + tl.arange(0, ROWS)
-        ptrs = counts_ptr + rows[:, None] * NUM_BINS + bins[None, :]
-        m = rows[:, None] < num_chunks
-        tile = tl.load(ptrs, mask=m, other=0)
-        before = tl.cumsum(tile, axis=0) - tile + running[None, :]
-        tl.store(ptrs, before, mask=m)
-        running += tl.sum(tile, axis=0)
-    _write_layout(running, expert_start_ptr, sorted_ids_ptr, block_expert_ptr, num_post_padded_ptr, num_routes,
-                  num_blocks, NUM_BINS, BLOCK_M, BLOCKS_PER_ITER)
+def _padded_starts(count, BLOCK_M: tl.constexpr):
+    """From the route count of every expert (NUM_BINS,): each expert's padded start and block count."""
+    blocks = tl.cdiv(count, BLOCK_M)
+    return (tl.cumsum(blocks, axis=0) - blocks) * BLOCK_M, blocks
 
 
 @triton.jit
-def _padded_ranges(count, BLOCK_M: tl.constexpr):
-    """From the route count of every expert (NUM_BINS,): each expert's padded [start, end) and the total."""
-    padded = tl.cdiv(count, BLOCK_M) * BLOCK_M
-    end = tl.cumsum(padded, axis=0)
-    return end - padded, end, tl.sum(padded, axis=0)
-
-
-@triton.jit
-def _write_layout(count, expert_start_ptr, sorted_ids_ptr, block_expert_ptr, num_post_padded_ptr, num_routes,
-                  num_blocks, NUM_BINS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCKS_PER_ITER: tl.constexpr):
-    """From the route count of every expert (NUM_BINS,): each expert's padded start (stored and
-    returned), num_post_padded, the expert of every block and the sentinel padding."""
+def _write_layout(count, start, blocks, sorted_ids_ptr, block_expert_ptr, num_post_padded_ptr, num_routes,
+                  num_blocks, NUM_BINS: tl.constexpr, BLOCK_M: tl.constexpr, RUN: tl.constexpr,
+                  FILL: tl.constexpr):
+    """From each expert's route count, padded start and block count (NUM_BINS,): num_post_padded, the expert
+    of every block (each expert's run of blocks, RUN blocks of every expert per step; -1 after the last) and
+    the sentinel padding."""
     bins = tl.arange(0, NUM_BINS)
-    start, end, total = _padded_ranges(count, BLOCK_M)
-    tl.store(expert_start_ptr + bins, start)
-    tl.store(num_post_padded_ptr, total)
-    # The expert of block b is the number of experts whose padded range ends at or before b * BLOCK_M.
-    for b0 in range(0, num_blocks, BLOCKS_PER_ITER):
-        blk = b0 + tl.arange(0, BLOCKS_PER_ITER)
-        pos = blk * BLOCK_M
-        owner = tl.sum((end[None, :] <= pos[:, None]).to(tl.int32), axis=1)
-        owner = tl.where(pos < total, owner, -1)
-        tl.store(block_expert_ptr + blk, owner, mask=blk < num_blocks)
+    used = tl.sum(blocks, axis=0)
+    tl.store(num_post_padded_ptr, used * BLOCK_M)
+    first = start // BLOCK_M
+    run = tl.arange(0, RUN)
+    for j0 in range(0, tl.max(blocks, axis=0), RUN):
+        j = j0 + run[None, :]
+        tl.store(block_expert_ptr + first[:, None] + j, bins[:, None] + 0 * j, mask=j < blocks[:, None])
+    for b0 in range(used, num_blocks, FILL):
+        blk = b0 + tl.arange(0, FILL)
+        tl.store(block_expert_ptr + blk, tl.full((FILL,), -1, tl.int32), mask=blk < num_blocks)
     # Sentinel (num_routes) in the < BLOCK_M padding slots after each expert's routes.
     slot = (start + count)[:, None] + tl.arange(0, BLOCK_M)[None, :]
     sentinel = tl.full((NUM_BINS, BLOCK_M), 0, tl.int32) + num_routes
-    tl.store(sorted_ids_ptr + slot, sentinel, mask=slot < end[:, None])
-    return start
+    tl.store(sorted_ids_ptr + slot, sentinel, mask=slot < (start + blocks * BLOCK_M)[:, None])
 
 
 @triton.jit
@@ -166,84 +142,64 @@ def _rank_in_block(expert, valid, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _per_lane(per_bin, expert, NUM_BINS: tl.constexpr):
-    """per_bin[expert] for each lane (a register gather from a (NUM_BINS,) vector)."""
-    bins = tl.arange(0, NUM_BINS)
-    return tl.sum(tl.where(bins[None, :] == expert[:, None], per_bin[None, :], 0), axis=1)
-
-
-@triton.jit
-def _align_small_kernel(topk_ids_ptr, expert_map_ptr, expert_start_ptr, sorted_ids_ptr, block_expert_ptr,
-                        num_post_padded_ptr, num_routes, num_local_experts, num_blocks,
-                        HAS_MAP: tl.constexpr, NUM_BINS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK: tl.constexpr,
-                        BLOCKS_PER_ITER: tl.constexpr):
-    """All of the alignment in one program when every route fits in one BLOCK (decode batches)."""
-    offs = tl.arange(0, BLOCK)
+def _place(count, before, topk_ids_ptr, expert_map_ptr, sorted_ids_ptr, block_expert_ptr, num_post_padded_ptr,
+           first_route, num_routes, num_local_experts, num_blocks, WRITE_LAYOUT,
+           HAS_MAP: tl.constexpr, NUM_BINS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK: tl.constexpr,
+           RUN: tl.constexpr, FILL: tl.constexpr):
+    """Place routes [first_route, first_route + BLOCK) at start[e] + before[e] + (rank among this chunk's routes
+    of e), from the route count of every expert (count) and of the routes before the chunk (before); the
+    layout too where WRITE_LAYOUT."""
+    start, blocks = _padded_starts(count, BLOCK_M)
+    if WRITE_LAYOUT:
+        _write_layout(count, start, blocks, sorted_ids_ptr, block_expert_ptr, num_post_padded_ptr, num_routes,
+                      num_blocks, NUM_BINS, BLOCK_M, RUN, FILL)
+    offs = first_route + tl.arange(0, BLOCK)
     expert, valid = _local_expert_of_route(topk_ids_ptr, expert_map_ptr, offs, num_routes, num_local_experts,
                                            HAS_MAP)
-    count = tl.histogram(expert, NUM_BINS, mask=valid).to(tl.int32)
-    start = _write_layout(count, expert_start_ptr, sorted_ids_ptr, block_expert_ptr, num_post_padded_ptr,
-                          num_routes, num_blocks, NUM_BINS, BLOCK_M, BLOCKS_PER_ITER)
-    base = _per_lane(start, expert, NUM_BINS)
-    tl.store(sorted_ids_ptr + base + _rank_in_block(expert, valid, BLOCK), offs, mask=valid)
-
-
-@triton.jit
-def _align_onepass_kernel(topk_ids_ptr, expert_map_ptr, expert_start_ptr, sorted_ids_ptr, block_expert_ptr,
-                          num_post_padded_ptr, num_routes, num_local_experts, num_blocks,
-                          HAS_MAP: tl.constexpr, NUM_BINS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK: tl.constexpr,
-                          SCAN: tl.constexpr, BLOCKS_PER_ITER: tl.constexpr):
-    """Program p histograms every route (SCAN at a time): the totals give each expert's padded start, the
-    routes before its chunk (BLOCK routes) their prefix; it places its chunk's routes, and program 0 also
-    writes the layout (num_post_padded, block experts, sentinels)."""
-    pid = tl.program_id(0)
-    first = pid * BLOCK
-    total = tl.zeros((NUM_BINS,), dtype=tl.int32)
-    before = tl.zeros((NUM_BINS,), dtype=tl.int32)
-    for c0 in range(0, num_routes, SCAN):
-        offs_c = c0 + tl.arange(0, SCAN)
-        e_c, v_c = _local_expert_of_route(topk_ids_ptr, expert_map_ptr, offs_c, num_routes, num_local_experts,
-                                          HAS_MAP)
-        hist = tl.histogram(e_c, NUM_BINS, mask=v_c).to(tl.int32)
-        total += hist
-        if c0 + SCAN <= first:
-            before += hist
-        elif c0 < first:
-            before += tl.histogram(e_c, NUM_BINS, mask=v_c & (offs_c < first)).to(tl.int32)
-    if pid == 0:
-        start = _write_layout(total, expert_start_ptr, sorted_ids_ptr, block_expert_ptr, num_post_padded_ptr,
-                              num_routes, num_blocks, NUM_BINS, BLOCK_M, BLOCKS_PER_ITER)
-    else:
-        start, _, _ = _padded_ranges(total, BLOCK_M)
-    offs = first + tl.arange(0, BLOCK)
-    expert, valid = _local_expert_of_route(topk_ids_ptr, expert_map_ptr, offs, num_routes, num_local_experts,
-                                           HAS_MAP)
-    slot = _per_lane(start + before, expert, NUM_BINS) + _rank_in_block(expert, valid, BLOCK)
+    slot = tl.gather(start + before, expert, 0) + _rank_in_block(expert, valid, BLOCK)
     tl.store(sorted_ids_ptr + slot, offs, mask=valid)
 
 
 @triton.jit
-def _align_scatter_kernel(topk_ids_ptr, expert_map_ptr, prefix_ptr, expert_start_ptr, sorted_ids_ptr,
-                          num_routes, num_local_experts,
-                          HAS_MAP: tl.constexpr, NUM_BINS: tl.constexpr, BLOCK: tl.constexpr,
-                          COUNT_GROUP: tl.constexpr):
-    """Place every held route at start[e] + (routes of e in earlier count chunks) + (routes of e in the
-    earlier route chunks of this count chunk) + (rank within the chunk)."""
+def _align_small_kernel(topk_ids_ptr, expert_map_ptr, sorted_ids_ptr, block_expert_ptr, num_post_padded_ptr,
+                        num_routes, num_local_experts, num_blocks,
+                        HAS_MAP: tl.constexpr, NUM_BINS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK: tl.constexpr,
+                        RUN: tl.constexpr, FILL: tl.constexpr):
+    """All of the alignment in one program when every route fits in one BLOCK (decode batches)."""
+    expert, valid = _local_expert_of_route(topk_ids_ptr, expert_map_ptr, tl.arange(0, BLOCK), num_routes,
+                                           num_local_experts, HAS_MAP)
+    count = tl.histogram(expert, NUM_BINS, mask=valid).to(tl.int32)
+    _place(count, tl.zeros((NUM_BINS,), dtype=tl.int32), topk_ids_ptr, expert_map_ptr, sorted_ids_ptr,
+           block_expert_ptr, num_post_padded_ptr, 0, num_routes, num_local_experts, num_blocks, True, HAS_MAP,
+           NUM_BINS, BLOCK_M, BLOCK, RUN, FILL)
+
+
+@triton.jit
+def _align_place_kernel(topk_ids_ptr, expert_map_ptr, counts_ptr, sorted_ids_ptr, block_expert_ptr,
+                        num_post_padded_ptr, num_routes, num_local_experts, num_blocks, num_count_chunks,
+                        HAS_MAP: tl.constexpr, NUM_BINS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK: tl.constexpr,
+                        COUNT_GROUP: tl.constexpr, ROWS: tl.constexpr, RUN: tl.constexpr, FILL: tl.constexpr):
+    """Program p sums the count chunks' histograms (ROWS at a time): all of them give each expert's count,
+    those before its count chunk (plus the earlier route chunks of it, recounted) the prefix of its route
+    chunk (BLOCK routes); it places that chunk's routes, and program 0 also writes the layout."""
     pid = tl.program_id(0)
-    offs = pid * BLOCK + tl.arange(0, BLOCK)
-    expert, valid = _local_expert_of_route(topk_ids_ptr, expert_map_ptr, offs, num_routes, num_local_experts,
-                                           HAS_MAP)
-    rank = _rank_in_block(expert, valid, BLOCK)
-    first = (pid // COUNT_GROUP) * COUNT_GROUP
-    earlier = tl.zeros((NUM_BINS,), dtype=tl.int32)
-    for q in range(first, pid):
+    group = pid // COUNT_GROUP
+    bins = tl.arange(0, NUM_BINS)
+    count = tl.zeros((NUM_BINS,), dtype=tl.int32)
+    before = tl.zeros((NUM_BINS,), dtype=tl.int32)
+    for r0 in range(0, num_count_chunks, ROWS):
+        rows = r0 + tl.arange(0, ROWS)
+        tile = tl.load(counts_ptr + rows[:, None] * NUM_BINS + bins[None, :], mask=rows[:, None] < num_count_chunks,
+                       other=0)
+        count += tl.sum(tile, axis=0)
+        before += tl.sum(tl.where(rows[:, None] < group, tile, 0), axis=0)
+    for q in range(group * COUNT_GROUP, pid):
         e_q, v_q = _local_expert_of_route(topk_ids_ptr, expert_map_ptr, q * BLOCK + tl.arange(0, BLOCK), num_routes,
                                           num_local_experts, HAS_MAP)
-        earlier += tl.histogram(e_q, NUM_BINS, mask=v_q).to(tl.int32)
-    rank += _per_lane(earlier, expert, NUM_BINS)
-    base = tl.load(expert_start_ptr + expert, mask=valid, other=0)
-    base += tl.load(prefix_ptr + (pid // COUNT_GROUP) * NUM_BINS + expert, mask=valid, other=0)
-    tl.store(sorted_ids_ptr + base + rank, offs, mask=valid)
+        before += tl.histogram(e_q, NUM_BINS, mask=v_q).to(tl.int32)
+    _place(count, before, topk_ids_ptr, expert_map_ptr, sorted_ids_ptr, block_expert_ptr, num_post_padded_ptr,
+           pid * BLOCK, num_routes, num_local_experts, num_blocks, pid == 0, HAS_MAP, NUM_BINS, BLOCK_M, BLOCK, RUN,
+           FILL)
 
 
 def align_workspace_numel(num_routes: int, num_local_experts: int, block_m: int) -> dict[str, int]:
@@ -252,7 +208,6 @@ def align_workspace_numel(num_routes: int, num_local_experts: int, block_m: int)
         "sorted_ids": max(sorted_capacity(num_routes, num_local_experts, block_m), 1),
         "block_expert": max(max_num_blocks(num_routes, num_local_experts, block_m), 1),
         "num_post_padded": 1,
-        "expert_start": num_bins(num_local_experts),
         "counts": max(num_count_chunks(num_routes), 1) * num_bins(num_local_experts),
     }
 
@@ -263,22 +218,18 @@ def moe_align(
     num_local_experts: int,
     expert_map_E: Optional[torch.Tensor] = None,
     buffers: Optional[dict[str, torch.Tensor]] = None,
-    onepass_max_chunks: int = ONEPASS_MAX_CHUNKS,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Align the routes of topk_ids_Tk (T, k) int32/int64 to BLOCK_M blocks per local expert.
 
     topk_ids are global ids mapped through expert_map_E (E,) int32 (-1: not held here) when it is
     given, else local ids (a value outside [0, El) means not held here).
     buffers: optional int32 views sized by align_workspace_numel (else allocated).
-    onepass_max_chunks: route chunks up to which one launch does it all (else three; the same result).
     Returns (sorted_ids_S, block_expert_Mb, num_post_padded (1,)), all int32 on the ids' device.
     """
     if topk_ids_Tk.dim() != 2:
         raise ValueError(f"topk_ids must be 2-D (T, k), got shape {tuple(topk_ids_Tk.shape)}")
     if block_m < 1 or block_m & (block_m - 1):
         raise ValueError(f"block_m ({block_m}) must be a power of two")
-    if onepass_max_chunks < 1:
-        raise ValueError(f"onepass_max_chunks ({onepass_max_chunks}) must be >= 1")
     ids = topk_ids_Tk if topk_ids_Tk.is_contiguous() else topk_ids_Tk.contiguous()
     R = ids.numel()
     El = int(num_local_experts)
@@ -298,28 +249,19 @@ def moe_align(
     has_map = expert_map_E is not None
     emap = expert_map_E if has_map else ids  # a placeholder pointer when there is no map
     P, Eb = num_chunks(R), num_bins(El)
-    start = buffers["expert_start"][:Eb]
-    blocks_per_iter = max(1, min(64, 8192 // Eb))
+    blocks = next_pow2(sizes["block_expert"])  # no expert's run of blocks, nor the -1 tail, is longer
+    layout = dict(HAS_MAP=has_map, NUM_BINS=Eb, BLOCK_M=block_m, RUN=max(1, min(LAYOUT_TILE // Eb, blocks)),
+                  FILL=min(FILL_BLOCK, blocks))
     if P == 1:  # one launch for decode-sized batches
-        launch(_align_small_kernel, (1,), ids, emap, start, sorted_ids, block_expert, num_post_padded, R, El,
-               sizes["block_expert"], HAS_MAP=has_map, NUM_BINS=Eb, BLOCK_M=block_m,
-               BLOCK=max(16, next_pow2(R)), BLOCKS_PER_ITER=blocks_per_iter,
-               num_warps=4 if Eb * block_m <= 8192 else 8)
-        return sorted_ids, block_expert, num_post_padded
-    if P <= onepass_max_chunks:
-        launch(_align_onepass_kernel, (P,), ids, emap, start, sorted_ids, block_expert, num_post_padded, R, El,
-               sizes["block_expert"], HAS_MAP=has_map, NUM_BINS=Eb, BLOCK_M=block_m, BLOCK=ALIGN_BLOCK,
-               SCAN=ONEPASS_SCAN, BLOCKS_PER_ITER=blocks_per_iter)
+        launch(_align_small_kernel, (1,), ids, emap, sorted_ids, block_expert, num_post_padded, R, El,
+               sizes["block_expert"], BLOCK=max(16, next_pow2(R)), **layout)
         return sorted_ids, block_expert, num_post_padded
     C, G = num_count_chunks(R), count_group(R)
     counts = buffers["counts"][: C * Eb]
     launch(_align_count_kernel, (C,), ids, emap, counts, R, El, HAS_MAP=has_map, NUM_BINS=Eb, BLOCK=ALIGN_BLOCK * G)
-    rows = max(1, min(next_pow2(C), 4096 // Eb))
-    launch(_align_offsets_kernel, (1,), counts, start, sorted_ids, block_expert, num_post_padded, C, R,
-           sizes["block_expert"], NUM_BINS=Eb, BLOCK_M=block_m, ROWS=rows, BLOCKS_PER_ITER=blocks_per_iter,
-           num_warps=8)
-    launch(_align_scatter_kernel, (P,), ids, emap, counts, start, sorted_ids, R, El, HAS_MAP=has_map, NUM_BINS=Eb,
-           BLOCK=ALIGN_BLOCK, COUNT_GROUP=G)
+    rows = max(1, min(next_pow2(C), LAYOUT_TILE // Eb))
+    launch(_align_place_kernel, (P,), ids, emap, counts, sorted_ids, block_expert, num_post_padded, R, El,
+           sizes["block_expert"], C, BLOCK=ALIGN_BLOCK, COUNT_GROUP=G, ROWS=rows, **layout)
     return sorted_ids, block_expert, num_post_padded
 
 
