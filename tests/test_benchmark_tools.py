@@ -370,15 +370,39 @@ def test_align_time_smoke_checks_and_times_this_tree_against_a_baseline(tmp_path
     from tools import align_time
 
     baseline = os.path.join(os.path.dirname(align_time.__file__), "..", "moe_modular", "kernels", "moe_align.py")
-    assert align_time.main(["--smoke", "--shapes", "tiny-e16", "-m", "1", "40", "--baseline", baseline,
+    assert align_time.main(["--smoke", "--shapes", "tiny-e16", "-m", "1", "40", "--baseline", baseline, "--forward",
                             "--out", str(tmp_path)]) == 0
     assert "| tiny-e16 | 40 | 160 |" in capsys.readouterr().out
     with open(tmp_path / "align_time.csv") as f:
         rows = list(csv.DictReader(f))
     assert [(int(r["M"]), int(r["routes"])) for r in rows] == [(1, 4), (40, 160)]
     for r in rows:
-        assert float(r["us"]) > 0 and float(r["us_baseline"]) > 0
-        assert float(r["baseline_over_this"]) == pytest.approx(float(r["us_baseline"]) / float(r["us"]))
+        for p in ("", "fwd_"):
+            assert float(r[p + "us"]) > 0 and float(r[p + "us_baseline"]) > 0
+            assert float(r[p + "baseline_over_this"]) == pytest.approx(float(r[p + "us_baseline"]) / float(r[p + "us"]))
+
+
+def test_align_time_forward_uses_the_version_under_test_and_restores_the_shipped_one():
+    from moe_modular.experts import triton_experts
+    from moe_modular.kernels import moe_align as align_module
+    from tools import align_time
+
+    calls = []
+
+    class Recording:
+        @staticmethod
+        def moe_align(*args, **kwargs):
+            calls.append(args[1:3])
+            return align_module.moe_align(*args, **kwargs)
+
+    shipped = triton_experts.moe_align
+    with align_time.forward_alignment(Recording):
+        ids = torch.randint(0, 8, (5, 2), dtype=torch.int32, device="cuda" if torch.cuda.is_available() else "cpu")
+        triton_experts.moe_align(ids, 16, 8, None, buffers={"unused": None})
+    assert calls == [(16, 8)]
+    assert triton_experts.moe_align is shipped
+    with align_time.forward_alignment(align_module):
+        assert triton_experts.moe_align is shipped
 
 
 def test_align_time_check_refuses_a_version_that_differs_from_the_oracle():

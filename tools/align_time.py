@@ -3,6 +3,7 @@ by side with another version of the kernel file.
 
     python -m tools.align_time --shapes mixtral qwen3 deepseek-v3 -m 8 64 256 1024 4096 16384
     python -m tools.align_time --baseline OLD/moe_modular/kernels/moe_align.py     # this tree's against OLD's
+    python -m tools.align_time --baseline OLD/.../moe_align.py --forward  # and the whole forward with each
     python -m tools.align_time --smoke --out OUT        # tiny shapes, the CPU interpreter
 
 Per cell: the routes of M tokens (top-k of a softmax over random logits, as the benchmark draws them) and BLOCK_M
@@ -11,12 +12,15 @@ checked equal to the oracle (`moe_align_torch`), then the versions are timed alt
 each keeping its best. On a GPU a timing replays a CUDA graph of --repeat alignments after an L2 flush (GPU time
 per alignment, no host launch cost); on the CPU each call is timed eagerly. A baseline file is loaded as a
 module of its own: it must import only what this tree's moe_align.py can (the package's launcher and host
-helpers) and keep moe_align's signature. "baseline / this" > 1: this tree's is faster. Prints a table last and
-writes OUT/align_time.csv.
+helpers) and keep moe_align's signature. "baseline / this" > 1: this tree's is faster. --forward also times one
+bf16 forward of the cell (NoEP PF and TritonExperts with the same tiles, tools/tune_moe.py's trial: a CUDA graph
+after an L2 flush) with each version as TritonExperts' alignment, alternating in the same rounds. Prints a table
+last and writes OUT/align_time.csv.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.util
 import math
 import os
@@ -25,10 +29,20 @@ import sys
 import torch
 
 from tools.ab_tiles import time_variants
-from tools.benchmark_moe import QUANTS, capture_graph, make_inputs, resolve_shapes_and_quants, write_csv
-from tools.tune_moe import incumbent, trial_context
+from tools.benchmark_moe import (
+    QUANTS,
+    capture_graph,
+    make_inputs,
+    make_weights,
+    n_sets_for,
+    resolve_shapes_and_quants,
+    spot_check,
+    write_csv,
+)
+from tools.tune_moe import Trial, incumbent, trial_context
 
-CSV_FIELDS = ("shape", "M", "E", "topk", "routes", "block_m", "us", "us_baseline", "baseline_over_this")
+CSV_FIELDS = ("shape", "M", "E", "topk", "routes", "block_m", "us", "us_baseline", "baseline_over_this",
+              "fwd_us", "fwd_us_baseline", "fwd_baseline_over_this")
 
 
 def parse_args(argv=None):
@@ -37,6 +51,8 @@ def parse_args(argv=None):
     p.add_argument("-m", "--m", dest="ms", type=int, nargs="+", help="token counts (default 8 64 256 1024 4096 16384)")
     p.add_argument("--block-m", type=int, default=0, help="BLOCK_M for every cell (default: the shipped tables')")
     p.add_argument("--baseline", help="another moe_align.py to time side by side with this tree's")
+    p.add_argument("--forward", action="store_true", help="also time the bf16 forward with each version")
+    p.add_argument("--check-tol", type=float, default=0.05, help="largest relative error of the forward's spot check")
     p.add_argument("--rounds", type=int, default=3, help="alternating rounds; each version keeps its best")
     p.add_argument("--repeat", type=int, default=20, help="alignments per CUDA graph replay")
     p.add_argument("--rep-ms", type=float, default=20.0)
@@ -100,20 +116,66 @@ def timer_of(topk_ids: torch.Tensor, block_m: int, E: int, timer, repeat: int):
     return trial
 
 
-def table(rows: list[dict], baseline: bool) -> str:
-    head = "| shape | M | routes | BLOCK_M | us |" + (" baseline us | baseline / this |" if baseline else "")
+@contextlib.contextmanager
+def forward_alignment(module):
+    """TritonExperts aligning through module.moe_align (on buffers of module's own sizes) for the block."""
+    from moe_modular.experts import triton_experts
+
+    shipped = triton_experts.moe_align
+
+    def align(topk_ids, block_m, El, expert_map=None, buffers=None):
+        return module.moe_align(topk_ids, block_m, El, expert_map)
+
+    triton_experts.moe_align = shipped if module.moe_align is shipped else align
+    try:
+        yield
+    finally:
+        triton_experts.moe_align = shipped
+
+
+def forward_timer(trial: Trial, cfg, check, tol: float):
+    """trial(module) -> seconds per forward with module's alignment, after a spot check of its output."""
+
+    def run(module) -> float:
+        with forward_alignment(module):
+            err = check(trial.kernel(cfg))
+            if not err <= tol:
+                raise RuntimeError(f"spot check: relative error {err:.2e} > {tol}")
+            return trial(cfg)
+
+    return run
+
+
+def table(rows: list[dict], baseline: bool, forward: bool) -> str:
+    cols = [("us", "us")] + ([("us_baseline", "baseline us"), ("baseline_over_this", "baseline / this")]
+                             if baseline else [])
+    if forward:
+        cols += [("fwd_us", "forward us")] + ([("fwd_us_baseline", "forward baseline us"),
+                                               ("fwd_baseline_over_this", "baseline / this")] if baseline else [])
+    head = "| shape | M | routes | BLOCK_M | " + " | ".join(label for _, label in cols) + " |"
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for r in rows:
-        line = f"| {r['shape']} | {r['M']} | {r['routes']} | {r['block_m']} | {_us(r['us'])} |"
-        if baseline:
-            ratio = "-" if r["baseline_over_this"] is None else f"{r['baseline_over_this']:.3f}"
-            line += f" {_us(r['us_baseline'])} | {ratio} |"
-        lines.append(line)
+        cells = [_fmt(r[key], ".3f" if "over" in key else ".2f") for key, _ in cols]
+        lines.append(f"| {r['shape']} | {r['M']} | {r['routes']} | {r['block_m']} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
-def _us(v) -> str:
-    return "failed" if v is None else f"{v:.2f}"
+def _fmt(v, spec: str) -> str:
+    return "failed" if v is None else format(v, spec)
+
+
+def _record(row: dict, prefix: str, best: dict, versions, what: str, cell: str) -> bool:
+    """Put best[label] (seconds) into row as prefix + us[_baseline] and the ratio; True if any failed."""
+    failed = False
+    for label in versions:
+        t, err = best[label]
+        ok = not err and math.isfinite(t)
+        failed |= not ok
+        row[prefix + ("us" if label == "this" else "us_baseline")] = t * 1e6 if ok else None
+        print(f"{cell} {what} {label}: {f'{t * 1e6:.2f} us' if ok else 'failed: ' + err}", flush=True)
+    this, base = row[prefix + "us"], row.get(prefix + "us_baseline")
+    row[prefix + "baseline_over_this"] = base / this if this is not None and base is not None else None
+    return failed
 
 
 def main(argv=None) -> int:
@@ -124,30 +186,40 @@ def main(argv=None) -> int:
     if args.baseline:
         versions["baseline"] = load_baseline(args.baseline)
     device, timer, shipped, dev_key = trial_context(args)
+    qc = QUANTS["bf16"]
     rows: list[dict] = []
     failed = False
     for shape_key in args.shapes:
         shape = shapes[shape_key]
+        weights = make_weights(shape, qc, device, args.seed) if args.forward else None
         for M in args.ms:
-            block_m = args.block_m or incumbent(shipped, shape, QUANTS["bf16"], M, dev_key).block_m
-            ids = make_inputs(shape, M, 1, device, args.seed)[0].topk_ids
+            cfg = incumbent(shipped, shape, qc, M, dev_key)
+            block_m = args.block_m or cfg.block_m
+            sets = make_inputs(shape, M, n_sets_for(shape, qc, M, timer.l2_bytes) if args.forward else 1, device,
+                               args.seed)
+            ids = sets[0].topk_ids
             for label, module in versions.items():
                 check(module, ids, block_m, shape.E, label)
-            best = time_variants(timer_of(ids, block_m, shape.E, timer, args.repeat), list(versions.items()),
-                                 args.rounds)
+            cell = f"{shape_key} M={M}"
             row = {"shape": shape_key, "M": M, "E": shape.E, "topk": shape.topk, "routes": M * shape.topk,
-                   "block_m": block_m, "us_baseline": None, "baseline_over_this": None}
-            for label in versions:
-                t, err = best[label]
-                ok = not err and math.isfinite(t)
-                failed |= not ok
-                row["us" if label == "this" else "us_baseline"] = t * 1e6 if ok else None
-                print(f"{shape_key} M={M} {label}: {f'{t * 1e6:.2f} us' if ok else 'failed: ' + err}", flush=True)
-            if row["us"] is not None and row["us_baseline"] is not None:
-                row["baseline_over_this"] = row["us_baseline"] / row["us"]
+                   "block_m": block_m, **dict.fromkeys(CSV_FIELDS[7:])}
+            trials = [("", timer_of(ids, block_m, shape.E, timer, args.repeat), "alignment")]
+            if args.forward:
+                s0 = sets[0]
+                out_err = lambda mk: spot_check(shape, qc, weights, s0, mk(s0.x, weights.w1, weights.w2,  # noqa: E731
+                                                                            s0.topk_weights, s0.topk_ids))
+                trials.append(("fwd_", forward_timer(Trial(shape, qc, M, weights, sets, timer), cfg, out_err,
+                                                     args.check_tol), "forward"))
+            for prefix, trial, what in trials:
+                best = time_variants(trial, list(versions.items()), args.rounds)
+                failed |= _record(row, prefix, best, versions, what, cell)
             rows.append(row)
+            del sets
+        del weights
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
     write_csv(os.path.join(args.out, "align_time.csv"), rows, CSV_FIELDS)
-    print(table(rows, bool(args.baseline)))
+    print(table(rows, bool(args.baseline), args.forward))
     return 1 if failed else 0
 
 
