@@ -173,7 +173,7 @@ def _record(row: dict, prefix: str, best: dict, versions, what: str, cell: str) 
         failed |= not ok
         row[prefix + ("us" if label == "this" else "us_baseline")] = t * 1e6 if ok else None
         print(f"{cell} {what} {label}: {f'{t * 1e6:.2f} us' if ok else 'failed: ' + err}", flush=True)
-    this, base = row[prefix + "us"], row.get(prefix + "us_baseline")
+    this, base = row[prefix + "us"], row[prefix + "us_baseline"]
     row[prefix + "baseline_over_this"] = base / this if this is not None and base is not None else None
     return failed
 

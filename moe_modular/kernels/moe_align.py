@@ -39,8 +39,9 @@ ALIGN_BLOCK = 128
 # costs more than it saves below GROUPED_FROM chunks.
 COUNT_GROUP = 8
 GROUPED_FROM = 128
-# Elements per step of the layout writes (block experts, the -1 tail) and of the histogram-row sums.
+# Elements per step of the block-expert writes (experts x blocks of each) and of the histogram-row sums.
 LAYOUT_TILE = 8192
+# Blocks per step of the -1 tail after the last used block.
 FILL_BLOCK = 1024
 
 
