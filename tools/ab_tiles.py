@@ -129,6 +129,17 @@ def time_variants(trial, configs: list[tuple[str, object]], rounds: int) -> dict
     return best
 
 
+def best_us(best: dict[str, tuple[float, str]], cell: str) -> tuple[dict[str, float | None], bool]:
+    """time_variants' result as {label: microseconds, None where it failed}, each printed as it is
+    read ("CELL LABEL: T us" or "CELL LABEL: failed: ERROR"); the second value says whether any failed."""
+    us: dict[str, float | None] = {}
+    for label, (t, err) in best.items():
+        ok = not err and math.isfinite(t)
+        us[label] = t * 1e6 if ok else None
+        print(f"{cell} {label}: {f'{t * 1e6:.2f} us' if ok else 'failed: ' + (err or 'no time')}", flush=True)
+    return us, any(v is None for v in us.values())
+
+
 def table(rows: list[dict]) -> str:
     lines = ["| shape | quant | M | variant | us | base / variant |", "|---|---|---|---|---|---|"]
     for r in rows:

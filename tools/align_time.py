@@ -22,13 +22,12 @@ from __future__ import annotations
 import argparse
 import contextlib
 import importlib.util
-import math
 import os
 import sys
 
 import torch
 
-from tools.ab_tiles import time_variants
+from tools.ab_tiles import best_us, time_variants
 from tools.benchmark_moe import (
     QUANTS,
     capture_graph,
@@ -164,16 +163,11 @@ def _fmt(v, spec: str) -> str:
     return "failed" if v is None else format(v, spec)
 
 
-def _record(row: dict, prefix: str, best: dict, versions, what: str, cell: str) -> bool:
-    """Put best[label] (seconds) into row as prefix + us[_baseline] and the ratio; True if any failed."""
-    failed = False
-    for label in versions:
-        t, err = best[label]
-        ok = not err and math.isfinite(t)
-        failed |= not ok
-        row[prefix + ("us" if label == "this" else "us_baseline")] = t * 1e6 if ok else None
-        print(f"{cell} {what} {label}: {f'{t * 1e6:.2f} us' if ok else 'failed: ' + err}", flush=True)
-    this, base = row[prefix + "us"], row[prefix + "us_baseline"]
+def _record(row: dict, prefix: str, best: dict, cell: str) -> bool:
+    """Put best's times into row as prefix + us[_baseline] and their ratio; True if any failed."""
+    us, failed = best_us(best, cell)
+    this, base = us["this"], us.get("baseline")
+    row[prefix + "us"], row[prefix + "us_baseline"] = this, base
     row[prefix + "baseline_over_this"] = base / this if this is not None and base is not None else None
     return failed
 
@@ -212,7 +206,7 @@ def main(argv=None) -> int:
                                                      args.check_tol), "forward"))
             for prefix, trial, what in trials:
                 best = time_variants(trial, list(versions.items()), args.rounds)
-                failed |= _record(row, prefix, best, versions, what, cell)
+                failed |= _record(row, prefix, best, f"{cell} {what}")
             rows.append(row)
             del sets
         del weights

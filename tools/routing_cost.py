@@ -20,13 +20,12 @@ OUT/routing_cost.csv.
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import sys
 
 import torch
 
-from tools.ab_tiles import time_variants
+from tools.ab_tiles import best_us, time_variants
 from tools.benchmark_moe import (
     QUANTS,
     InputSet,
@@ -182,13 +181,11 @@ def main(argv=None) -> int:
                    "rows_random": padded_rows(sets[0].topk_ids, shape.E, cfg.block_m),
                    "rows_balanced": padded_rows(by_routing["balanced"][0].topk_ids, shape.E, cfg.block_m),
                    "err_random": errs["random"], "err_balanced": errs["balanced"]}
+            us, any_failed = best_us(best, f"{shape_key} M={M}")
+            failed |= any_failed
             for k in LABELS:
-                t, err = best[k]
-                ok = not err and math.isfinite(t)
-                failed |= not ok
-                row[f"us_{k}"] = t * 1e6 if ok else None
-                row[f"tflops_{k}"] = flops / t / 1e12 if ok else None
-                print(f"{shape_key} M={M} {k}: {f'{t * 1e6:.1f} us' if ok else 'failed: ' + err}", flush=True)
+                row[f"us_{k}"] = us[k]
+                row[f"tflops_{k}"] = flops / us[k] / 1e6 if us[k] is not None else None
             rows.append(row)
             del sets, by_routing, trials, bmm
             if timer.cuda:
