@@ -299,6 +299,17 @@ def test_ab_tiles_reports_a_variant_that_cannot_run_and_keeps_timing_the_others(
     assert calls.count("broken") == 1  # a failed variant is not retried
 
 
+def test_variant_times_us_converts_prints_and_flags_failures(capsys):
+    from tools import ab_tiles
+
+    us, failed = ab_tiles.variant_times_us({"this": (12.5e-6, ""), "baseline": (25e-6, "")}, "qwen3 M=8 alignment")
+    assert us == {"this": pytest.approx(12.5), "baseline": pytest.approx(25.0)} and not failed
+    assert "qwen3 M=8 alignment this: 12.50 us" in capsys.readouterr().out
+    us, failed = ab_tiles.variant_times_us({"this": (3e-6, ""), "broken": (float("inf"), "RuntimeError: no")}, "c")
+    assert us == {"this": pytest.approx(3.0), "broken": None} and failed
+    assert "c broken: failed: RuntimeError: no" in capsys.readouterr().out
+
+
 # ---- tools/routing_cost.py ------------------------------------------------------------------
 def test_routing_cost_balanced_ids_give_every_expert_the_same_routes():
     from tools import routing_cost

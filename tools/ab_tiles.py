@@ -129,7 +129,7 @@ def time_variants(trial, configs: list[tuple[str, object]], rounds: int) -> dict
     return best
 
 
-def best_us(best: dict[str, tuple[float, str]], cell: str) -> tuple[dict[str, float | None], bool]:
+def variant_times_us(best: dict[str, tuple[float, str]], cell: str) -> tuple[dict[str, float | None], bool]:
     """time_variants' result as {label: microseconds, None where it failed}, each printed as it is
     read ("CELL LABEL: T us" or "CELL LABEL: failed: ERROR"); the second value says whether any failed."""
     us: dict[str, float | None] = {}

@@ -27,7 +27,7 @@ import sys
 
 import torch
 
-from tools.ab_tiles import best_us, time_variants
+from tools.ab_tiles import time_variants, variant_times_us
 from tools.benchmark_moe import (
     QUANTS,
     capture_graph,
@@ -165,7 +165,7 @@ def _fmt(v, spec: str) -> str:
 
 def _record(row: dict, prefix: str, best: dict, cell: str) -> bool:
     """Put best's times into row as prefix + us[_baseline] and their ratio; True if any failed."""
-    us, failed = best_us(best, cell)
+    us, failed = variant_times_us(best, cell)
     this, base = us["this"], us.get("baseline")
     row[prefix + "us"], row[prefix + "us_baseline"] = this, base
     row[prefix + "baseline_over_this"] = base / this if this is not None and base is not None else None

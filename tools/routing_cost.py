@@ -25,7 +25,7 @@ import sys
 
 import torch
 
-from tools.ab_tiles import best_us, time_variants
+from tools.ab_tiles import time_variants, variant_times_us
 from tools.benchmark_moe import (
     QUANTS,
     InputSet,
@@ -181,7 +181,7 @@ def main(argv=None) -> int:
                    "rows_random": padded_rows(sets[0].topk_ids, shape.E, cfg.block_m),
                    "rows_balanced": padded_rows(by_routing["balanced"][0].topk_ids, shape.E, cfg.block_m),
                    "err_random": errs["random"], "err_balanced": errs["balanced"]}
-            us, any_failed = best_us(best, f"{shape_key} M={M}")
+            us, any_failed = variant_times_us(best, f"{shape_key} M={M}")
             failed |= any_failed
             for k in LABELS:
                 row[f"us_{k}"] = us[k]
