@@ -172,16 +172,15 @@ def main(argv=None) -> int:
                         errors[label] = f"ValueError: {exc}"
                 best = time_variants(trial, configs, args.rounds)
                 best.update({label: (math.inf, err) for label, err in errors.items()})
-                base_s, by_label = best["base"][0], dict(configs)
-                for label, (t, err) in best.items():
+                us, _ = variant_times_us(best, f"{shape_key} {quant_key} M={M}")
+                by_label = dict(configs)
+                for label, (_, err) in best.items():
                     cfg = by_label.get(label)
-                    ok = not err and math.isfinite(t)
+                    ok = us[label] is not None and us["base"] is not None
                     rows.append({"shape": shape_key, "quant": quant_key, "M": M, "variant": label,
-                                 "us": t * 1e6 if ok else None, "error": err,
-                                 "ratio": base_s / t if ok and math.isfinite(base_s) else None,
+                                 "us": us[label], "error": err,
+                                 "ratio": us["base"] / us[label] if ok else None,
                                  "tiles": cfg.to_dict() if cfg is not None else None})
-                    print(f"{shape_key} {quant_key} M={M} {label}: "
-                          f"{'failed: ' + err if err else f'{t * 1e6:.1f} us'}", flush=True)
                 del sets, trial
             del weights
             if device.type == "cuda":
