@@ -191,7 +191,6 @@ class TritonExperts(TritonExpertsBase):
         T, K = hidden_states.shape
         topk = topk_ids.shape[1]
         El, N2, _ = w1.shape
-        Ni = N2 // 2
         R = T * topk
         if T == 0:
             return

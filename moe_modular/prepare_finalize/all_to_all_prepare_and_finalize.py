@@ -16,7 +16,6 @@ from moe_modular.config import MoEConfig
 from moe_modular.interfaces import (
     ActivationFormat,
     ExpertTokensMetadata,
-    FusedMoEPrepareAndFinalizeModular,
     PrepareResult,
 )
 from moe_modular.prepare_finalize.combine_wire import CombineWire, combine_wire, default_combine_wire
@@ -24,13 +23,13 @@ from moe_modular.prepare_finalize.common import apply_weight_on_input
 from moe_modular.prepare_finalize.ep_common import (
     ExpertPlacementTables,
     activation_wire_dtype,
-    check_context,
     local_expert_counts,
     masked_weights,
     quantize_for_dispatch,
     scale_width,
     token_row_format,
 )
+from moe_modular.prepare_finalize.ep_prepare_and_finalize import EPPrepareAndFinalize
 from moe_modular.profiler_scope import phase
 from moe_modular.quant import MoEQuantParams, QuantConfig
 from moe_modular.weight_and_reduce import (
@@ -53,7 +52,7 @@ class _Dispatched:
     recv_weights_Rk: torch.Tensor  # (R, k) float32
 
 
-class AllToAllPrepareAndFinalize(FusedMoEPrepareAndFinalizeModular):
+class AllToAllPrepareAndFinalize(EPPrepareAndFinalize):
     """Standard-format EP: each token travels once to every rank that holds one of its experts.
 
     Contract with the experts: prepare returns the received tokens (R, K) with topk_ids holding
@@ -77,18 +76,10 @@ class AllToAllPrepareAndFinalize(FusedMoEPrepareAndFinalizeModular):
 
     BACKEND = "nccl_all_to_all"
 
-    def __init__(self, moe: MoEConfig, context, manager: All2AllManager, combine_wire_name: Optional[str] = None):
+    def __init__(self, moe: MoEConfig, manager: All2AllManager, combine_wire_name: Optional[str] = None) -> None:
         self.wire: CombineWire = (default_combine_wire(moe.dtype) if combine_wire_name is None
                                   else combine_wire(combine_wire_name))
-        if manager.world_size != moe.ep_size or manager.rank != moe.ep_rank:
-            raise ValueError(
-                f"manager (rank {manager.rank} of {manager.world_size}) must match moe.parallel "
-                f"(ep_rank {moe.ep_rank} of ep_size {moe.ep_size})"
-            )
-        self.moe = moe
-        self.manager = manager
-        self.group = manager.group
-        self.rank, self.world_size = manager.rank, manager.world_size
+        super().__init__(moe, manager)
         self.tables = ExpertPlacementTables.build(moe, manager.device)
         self.n_scale = scale_width(moe.quant, moe.hidden_dim)
         self.row_format = token_row_format(moe.hidden_dim, activation_wire_dtype(moe), self.n_scale, moe.topk, True)
@@ -110,12 +101,7 @@ class AllToAllPrepareAndFinalize(FusedMoEPrepareAndFinalizeModular):
 
     @classmethod
     def make(cls, moe: MoEConfig, context=None, combine_wire: Optional[str] = None) -> "AllToAllPrepareAndFinalize":
-        check_context(cls.__name__, moe, context)
-        return cls(moe, context, context.all2all(cls.BACKEND), combine_wire)
-
-    @classmethod
-    def requires_distributed(cls) -> bool:
-        return True
+        return cls(moe, cls.manager_for(moe, context), combine_wire)
 
     @classmethod
     def activation_format(cls) -> ActivationFormat:
@@ -126,9 +112,6 @@ class AllToAllPrepareAndFinalize(FusedMoEPrepareAndFinalizeModular):
 
     def max_num_tokens_per_rank(self) -> Optional[int]:
         return None
-
-    def num_dispatchers(self) -> int:
-        return self.world_size
 
     def has_prepare_no_receive(self) -> bool:
         return True

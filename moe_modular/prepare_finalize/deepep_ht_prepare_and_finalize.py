@@ -22,9 +22,7 @@ from moe_modular.config import MoEConfig
 from moe_modular.interfaces import (
     ActivationFormat,
     ExpertTokensMetadata,
-    FusedMoEPrepareAndFinalizeModular,
     PrepareResult,
-    check_supported,
 )
 from moe_modular.prepare_finalize.common import apply_weight_on_input
 from moe_modular.prepare_finalize.deepep_common import (
@@ -35,10 +33,10 @@ from moe_modular.prepare_finalize.deepep_common import (
 )
 from moe_modular.prepare_finalize.ep_common import (
     ExpertPlacementTables,
-    check_context,
     masked_weights,
     quantize_for_dispatch,
 )
+from moe_modular.prepare_finalize.ep_prepare_and_finalize import EPPrepareAndFinalize
 from moe_modular.profiler_scope import phase
 from moe_modular.quant import FP8_DTYPE, ActivationQuant, MoEQuantParams, QuantConfig, quantize_activations
 from moe_modular.weight_and_reduce import (
@@ -58,7 +56,7 @@ class _Dispatched:
     recv_weights_Rk: torch.Tensor  # (R, k) float32
 
 
-class DeepEPHTPrepareAndFinalize(FusedMoEPrepareAndFinalizeModular):
+class DeepEPHTPrepareAndFinalize(EPPrepareAndFinalize):
     """Each token travels once to every rank holding one of its experts (DeepEP normal kernels).
 
     prepare: int64 ids (topk_indices_dtype); fp8 group ("block") schemes are quantized before the
@@ -76,14 +74,7 @@ class DeepEPHTPrepareAndFinalize(FusedMoEPrepareAndFinalizeModular):
     BACKEND = DeepEPHighThroughputManager.backend_name
 
     def __init__(self, moe: MoEConfig, manager: DeepEPHighThroughputManager) -> None:
-        if manager.world_size != moe.ep_size or manager.rank != moe.ep_rank:
-            raise ValueError(
-                f"manager (rank {manager.rank} of {manager.world_size}) must match moe.parallel "
-                f"(ep_rank {moe.ep_rank} of ep_size {moe.ep_size})")
-        self.moe = moe
-        self.manager = manager
-        self.group = manager.group
-        self.rank, self.world_size = manager.rank, manager.world_size
+        super().__init__(moe, manager)
         self.quant_before = self.quantizes_before_dispatch(moe.quant)
         self.padded_hidden = self.padded_hidden_size(moe)
         self.handle = manager.get_handle(DeepEPHTBufferConfig(self.padded_hidden * HT_COMBINE_DTYPE.itemsize))
@@ -122,16 +113,6 @@ class DeepEPHTPrepareAndFinalize(FusedMoEPrepareAndFinalizeModular):
         return deepep_supports(moe, cls.check_config)
 
     @classmethod
-    def make(cls, moe: MoEConfig, context=None) -> "DeepEPHTPrepareAndFinalize":
-        check_context(cls.__name__, moe, context)
-        check_supported(cls, moe)
-        return cls(moe, context.all2all(cls.BACKEND))
-
-    @classmethod
-    def requires_distributed(cls) -> bool:
-        return True
-
-    @classmethod
     def activation_format(cls) -> ActivationFormat:
         return ActivationFormat.Standard
 
@@ -140,9 +121,6 @@ class DeepEPHTPrepareAndFinalize(FusedMoEPrepareAndFinalizeModular):
 
     def max_num_tokens_per_rank(self) -> Optional[int]:
         return None
-
-    def num_dispatchers(self) -> int:
-        return self.world_size
 
     # ---- prepare ------------------------------------------------------------------------------
     def prepare(self, a1, topk_weights, topk_ids, num_experts, expert_map, apply_router_weight_on_input,

@@ -24,9 +24,7 @@ from moe_modular.config import MoEConfig
 from moe_modular.interfaces import (
     ActivationFormat,
     ExpertTokensMetadata,
-    FusedMoEPrepareAndFinalizeModular,
     PrepareResult,
-    check_supported,
 )
 from moe_modular.prepare_finalize.common import apply_weight_on_input
 from moe_modular.prepare_finalize.deepep_common import (
@@ -35,7 +33,8 @@ from moe_modular.prepare_finalize.deepep_common import (
     pad_hidden,
     to_linear_ids,
 )
-from moe_modular.prepare_finalize.ep_common import ExpertPlacementTables, check_context, quantize_for_dispatch
+from moe_modular.prepare_finalize.ep_common import ExpertPlacementTables, quantize_for_dispatch
+from moe_modular.prepare_finalize.ep_prepare_and_finalize import EPPrepareAndFinalize
 from moe_modular.profiler_scope import phase
 from moe_modular.quant import ActivationQuant, MoEQuantParams, QuantConfig
 from moe_modular.weight_and_reduce import (
@@ -55,7 +54,7 @@ class _Dispatched:
     ids_Tk: torch.Tensor  # (T, k) int64 DeepEP expert ids used for the dispatch (and the combine)
 
 
-class DeepEPLLPrepareAndFinalize(FusedMoEPrepareAndFinalizeModular):
+class DeepEPLLPrepareAndFinalize(EPPrepareAndFinalize):
     """Tokens land in (El, B, K) per-expert slots (DeepEP low-latency kernels, one QP per local expert).
 
     prepare: fp8 1 x 128 group schemes dispatch in fp8, quantized by DeepEP, with (El, B, G) float32
@@ -71,14 +70,7 @@ class DeepEPLLPrepareAndFinalize(FusedMoEPrepareAndFinalizeModular):
     BACKEND = DeepEPLowLatencyManager.backend_name
 
     def __init__(self, moe: MoEConfig, manager: DeepEPLowLatencyManager) -> None:
-        if manager.world_size != moe.ep_size or manager.rank != moe.ep_rank:
-            raise ValueError(
-                f"manager (rank {manager.rank} of {manager.world_size}) must match moe.parallel "
-                f"(ep_rank {moe.ep_rank} of ep_size {moe.ep_size})")
-        self.moe = moe
-        self.manager = manager
-        self.group = manager.group
-        self.rank, self.world_size = manager.rank, manager.world_size
+        super().__init__(moe, manager)
         self.kernel_hidden = ll_hidden_size(moe.hidden_dim)
         self.fp8_dispatch = self.dispatches_fp8(moe.quant)
         if not self.fp8_dispatch and not manager.dispatch_accepts("use_fp8"):
@@ -118,16 +110,6 @@ class DeepEPLLPrepareAndFinalize(FusedMoEPrepareAndFinalizeModular):
         return ok, reason
 
     @classmethod
-    def make(cls, moe: MoEConfig, context=None) -> "DeepEPLLPrepareAndFinalize":
-        check_context(cls.__name__, moe, context)
-        check_supported(cls, moe)
-        return cls(moe, context.all2all(cls.BACKEND))
-
-    @classmethod
-    def requires_distributed(cls) -> bool:
-        return True
-
-    @classmethod
     def activation_format(cls) -> ActivationFormat:
         return ActivationFormat.BatchedExperts
 
@@ -136,9 +118,6 @@ class DeepEPLLPrepareAndFinalize(FusedMoEPrepareAndFinalizeModular):
 
     def max_num_tokens_per_rank(self) -> Optional[int]:
         return self.moe.max_num_tokens
-
-    def num_dispatchers(self) -> int:
-        return self.world_size
 
     def has_prepare_no_receive(self) -> bool:
         return True

@@ -16,18 +16,17 @@ from moe_modular.config import MoEConfig
 from moe_modular.interfaces import (
     ActivationFormat,
     ExpertTokensMetadata,
-    FusedMoEPrepareAndFinalizeModular,
     PrepareResult,
 )
 from moe_modular.prepare_finalize.common import apply_weight_on_input
 from moe_modular.prepare_finalize.ep_common import (
     ExpertPlacementTables,
     activation_wire_dtype,
-    check_context,
     quantize_for_dispatch,
     scale_width,
     token_row_format,
 )
+from moe_modular.prepare_finalize.ep_prepare_and_finalize import EPPrepareAndFinalize
 from moe_modular.profiler_scope import phase
 from moe_modular.quant import MoEQuantParams, QuantConfig
 from moe_modular.weight_and_reduce import TopKWeightAndReduceNaiveBatched, resolve_weight_and_reduce
@@ -43,7 +42,7 @@ class _Slots:
     compact_index: torch.Tensor  # (W*El*Tm,) int64: received slot (s, e, j) -> row in the (El, B) layout
 
 
-class LowLatencyAll2AllPrepareAndFinalize(FusedMoEPrepareAndFinalizeModular):
+class LowLatencyAll2AllPrepareAndFinalize(EPPrepareAndFinalize):
     """BatchedExperts-format EP with static shapes: no host sync, CUDA-graph capturable.
 
     Each route (token, expert) gets a slot in a fixed (W, El, Tm) send layout (the token is sent
@@ -61,16 +60,8 @@ class LowLatencyAll2AllPrepareAndFinalize(FusedMoEPrepareAndFinalizeModular):
 
     BACKEND = "nccl_low_latency"
 
-    def __init__(self, moe: MoEConfig, context, manager: All2AllManager):
-        if manager.world_size != moe.ep_size or manager.rank != moe.ep_rank:
-            raise ValueError(
-                f"manager (rank {manager.rank} of {manager.world_size}) must match moe.parallel "
-                f"(ep_rank {moe.ep_rank} of ep_size {moe.ep_size})"
-            )
-        self.moe = moe
-        self.manager = manager
-        self.group = manager.group
-        self.rank, self.world_size = manager.rank, manager.world_size
+    def __init__(self, moe: MoEConfig, manager: All2AllManager) -> None:
+        super().__init__(moe, manager)
         self.Tm = moe.max_num_tokens
         self.El = moe.num_local_experts
         self.tables = ExpertPlacementTables.build(moe, manager.device)
@@ -94,15 +85,6 @@ class LowLatencyAll2AllPrepareAndFinalize(FusedMoEPrepareAndFinalizeModular):
         return True
 
     @classmethod
-    def make(cls, moe: MoEConfig, context=None) -> "LowLatencyAll2AllPrepareAndFinalize":
-        check_context(cls.__name__, moe, context)
-        return cls(moe, context, context.all2all(cls.BACKEND))
-
-    @classmethod
-    def requires_distributed(cls) -> bool:
-        return True
-
-    @classmethod
     def activation_format(cls) -> ActivationFormat:
         return ActivationFormat.BatchedExperts
 
@@ -111,9 +93,6 @@ class LowLatencyAll2AllPrepareAndFinalize(FusedMoEPrepareAndFinalizeModular):
 
     def max_num_tokens_per_rank(self) -> Optional[int]:
         return self.Tm
-
-    def num_dispatchers(self) -> int:
-        return self.world_size
 
     def has_prepare_no_receive(self) -> bool:
         return True

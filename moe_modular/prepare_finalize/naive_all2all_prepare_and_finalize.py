@@ -16,18 +16,17 @@ from moe_modular.config import MoEConfig
 from moe_modular.interfaces import (
     ActivationFormat,
     ExpertTokensMetadata,
-    FusedMoEPrepareAndFinalizeModular,
     PrepareResult,
 )
 from moe_modular.prepare_finalize.common import apply_weight_on_input
 from moe_modular.prepare_finalize.ep_common import (
     ExpertPlacementTables,
-    check_context,
     local_expert_counts,
     masked_weights,
     scale_width,
     token_row_format,
 )
+from moe_modular.prepare_finalize.ep_prepare_and_finalize import EPPrepareAndFinalize
 from moe_modular.profiler_scope import phase
 from moe_modular.quant import FP8_DTYPE, ActivationQuant, MoEQuantParams, QuantConfig, quantize_activations
 from moe_modular.weight_and_reduce import (
@@ -47,7 +46,7 @@ class _Gathered:
     weights_Ak: torch.Tensor  # (Tall, k) float32
 
 
-class NaiveAll2AllPrepareAndFinalize(FusedMoEPrepareAndFinalizeModular):
+class NaiveAll2AllPrepareAndFinalize(EPPrepareAndFinalize):
     """Standard-format EP over the gather family of managers (here: `naive`).
 
     prepare gathers all ranks' tokens (Tall, K) to every rank and returns them with LOCAL
@@ -63,15 +62,8 @@ class NaiveAll2AllPrepareAndFinalize(FusedMoEPrepareAndFinalizeModular):
 
     BACKEND = "naive"
 
-    def __init__(self, moe: MoEConfig, context, manager: All2AllManager):
-        if manager.world_size != moe.ep_size or manager.rank != moe.ep_rank:
-            raise ValueError(
-                f"manager (rank {manager.rank} of {manager.world_size}) must match moe.parallel "
-                f"(ep_rank {moe.ep_rank} of ep_size {moe.ep_size})"
-            )
-        self.moe = moe
-        self.manager = manager
-        self.rank, self.world_size = manager.rank, manager.world_size
+    def __init__(self, moe: MoEConfig, manager: All2AllManager) -> None:
+        super().__init__(moe, manager)
         self.tables = ExpertPlacementTables.build(moe, manager.device)
         self.before = type(self).quantizes_before_dispatch(moe.quant)
         x_dtype = FP8_DTYPE if (self.before and moe.quant.is_quantized) else moe.dtype
@@ -94,15 +86,6 @@ class NaiveAll2AllPrepareAndFinalize(FusedMoEPrepareAndFinalizeModular):
                     and not quant.static_activation_scale)
 
     @classmethod
-    def make(cls, moe: MoEConfig, context=None) -> "NaiveAll2AllPrepareAndFinalize":
-        check_context(cls.__name__, moe, context)
-        return cls(moe, context, context.all2all(cls.BACKEND))
-
-    @classmethod
-    def requires_distributed(cls) -> bool:
-        return True
-
-    @classmethod
     def activation_format(cls) -> ActivationFormat:
         return ActivationFormat.Standard
 
@@ -111,9 +94,6 @@ class NaiveAll2AllPrepareAndFinalize(FusedMoEPrepareAndFinalizeModular):
 
     def max_num_tokens_per_rank(self) -> Optional[int]:
         return None
-
-    def num_dispatchers(self) -> int:
-        return self.world_size
 
     def has_prepare_no_receive(self) -> bool:
         return True

@@ -23,19 +23,17 @@ from moe_modular.config import MoEConfig
 from moe_modular.interfaces import (
     ActivationFormat,
     ExpertTokensMetadata,
-    FusedMoEPrepareAndFinalizeModular,
     PrepareResult,
-    check_supported,
 )
 from moe_modular.prepare_finalize.common import apply_weight_on_input
 from moe_modular.prepare_finalize.deepep_common import linear_expert_table
 from moe_modular.prepare_finalize.ep_common import (
     ExpertPlacementTables,
     activation_wire_dtype,
-    check_context,
     quantize_for_dispatch,
     scale_width,
 )
+from moe_modular.prepare_finalize.ep_prepare_and_finalize import EPPrepareAndFinalize
 from moe_modular.profiler_scope import phase
 from moe_modular.quant import MoEQuantParams
 from moe_modular.weight_and_reduce import (
@@ -71,7 +69,7 @@ def received_positions(splits_offsets_2EW: torch.Tensor) -> tuple[torch.Tensor, 
     return offsets[cell_R] + within_R, cell_R
 
 
-class SymmMemPrepareAndFinalize(FusedMoEPrepareAndFinalizeModular):
+class SymmMemPrepareAndFinalize(EPPrepareAndFinalize):
     """One row per (token, expert) route, exchanged with torch's all_to_all_vdev_2d and sent back
     with all_to_all_vdev_2d_offset.
 
@@ -89,14 +87,7 @@ class SymmMemPrepareAndFinalize(FusedMoEPrepareAndFinalizeModular):
     BACKEND = SymmMemManager.backend_name
 
     def __init__(self, moe: MoEConfig, manager: SymmMemManager) -> None:
-        if manager.world_size != moe.ep_size or manager.rank != moe.ep_rank:
-            raise ValueError(
-                f"manager (rank {manager.rank} of {manager.world_size}) must match moe.parallel "
-                f"(ep_rank {moe.ep_rank} of ep_size {moe.ep_size})")
-        self.moe = moe
-        self.manager = manager
-        self.group = manager.group
-        self.rank, self.world_size = manager.rank, manager.world_size
+        super().__init__(moe, manager)
         self.tables = ExpertPlacementTables.build(moe, manager.device)
         self.linear_E = linear_expert_table(self.tables)
         self.n_scale = scale_width(moe.quant, moe.hidden_dim)
@@ -125,16 +116,6 @@ class SymmMemPrepareAndFinalize(FusedMoEPrepareAndFinalizeModular):
         return reason is None, reason or ""
 
     @classmethod
-    def make(cls, moe: MoEConfig, context=None) -> "SymmMemPrepareAndFinalize":
-        check_context(cls.__name__, moe, context)
-        check_supported(cls, moe)
-        return cls(moe, context.all2all(cls.BACKEND))
-
-    @classmethod
-    def requires_distributed(cls) -> bool:
-        return True
-
-    @classmethod
     def activation_format(cls) -> ActivationFormat:
         return ActivationFormat.Standard
 
@@ -143,9 +124,6 @@ class SymmMemPrepareAndFinalize(FusedMoEPrepareAndFinalizeModular):
 
     def max_num_tokens_per_rank(self) -> Optional[int]:
         return None
-
-    def num_dispatchers(self) -> int:
-        return self.world_size
 
     # ---- prepare ------------------------------------------------------------------------------
     def prepare(self, a1, topk_weights, topk_ids, num_experts, expert_map, apply_router_weight_on_input,
