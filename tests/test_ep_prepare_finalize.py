@@ -365,4 +365,13 @@ def check_make_errors(pgi, context: ParallelContext) -> list[str]:
         AllToAllPrepareAndFinalize.make(wrong, context)
     with pytest.raises(TypeError, match="needs a ParallelContext"):
         LowLatencyAll2AllPrepareAndFinalize.make(moe, None)
+    # A manager of another rank than moe.parallel names is refused by every EP PF's constructor.
+    other = MoEConfig(num_experts=4, topk=2, hidden_dim=8, intermediate_dim=4,
+                      parallel=ParallelConfig(ep_size=pgi.world_size, ep_rank=(pgi.rank + 1) % pgi.world_size))
+    for cls in (NaiveAll2AllPrepareAndFinalize, AllGatherReduceScatterPrepareAndFinalize, AllToAllPrepareAndFinalize,
+                LowLatencyAll2AllPrepareAndFinalize):
+        with pytest.raises(ValueError, match=rf"manager \(rank {pgi.rank} of {pgi.world_size}\) must match moe.parallel "
+                                             rf"\(ep_rank {other.ep_rank} of ep_size {pgi.world_size}\)"):
+            cls(other, context.all2all(cls.BACKEND))
+        assert cls.requires_distributed()
     return []
