@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from all2all.base import All2AllManager
 from moe_modular.config import MoEConfig
 from moe_modular.interfaces import FusedMoEPrepareAndFinalizeModular, check_supported
 from moe_modular.prepare_finalize.ep_common import check_context
@@ -17,7 +18,7 @@ class EPPrepareAndFinalize(FusedMoEPrepareAndFinalizeModular):
 
     BACKEND: str  # the All2All manager's registry name
 
-    def __init__(self, moe: MoEConfig, manager: Any) -> None:
+    def __init__(self, moe: MoEConfig, manager: All2AllManager) -> None:
         if manager.world_size != moe.ep_size or manager.rank != moe.ep_rank:
             raise ValueError(
                 f"manager (rank {manager.rank} of {manager.world_size}) must match moe.parallel "
@@ -28,7 +29,7 @@ class EPPrepareAndFinalize(FusedMoEPrepareAndFinalizeModular):
         self.rank, self.world_size = manager.rank, manager.world_size
 
     @classmethod
-    def manager_for(cls, moe: MoEConfig, context: Any) -> Any:
+    def manager_for(cls, moe: MoEConfig, context: Any) -> All2AllManager:
         """make()'s checks (context is a ParallelContext laid out as moe.parallel; supports(moe)), then
         the context's manager of this class's BACKEND."""
         check_context(cls.__name__, moe, context)
