@@ -2,6 +2,7 @@
 
     TRITON_INTERPRET=0 python -m tests.sm90_compile_check ws FUSED GATHER BLOCK_M BLOCK_N BLOCK_K GROUP_M WARPS STAGES
     TRITON_INTERPRET=0 python -m tests.sm90_compile_check pdl PER_ROUTE PERSISTENT
+    TRITON_INTERPRET=0 python -m tests.sm90_compile_check wsfp8 FUSED GATHER SCALES
 
 ws: moe_gemm_ws's Gluon kernel: {"wgmma": bool, "cp_async_arrive": bool, "shared": bytes, "local_bytes": int
 or null}. pdl: moe_gemm's Triton kernel as a second GEMM launched with tile.pdl (per-route or standard blocks,
@@ -10,7 +11,9 @@ and griddepcontrol.launch_dependents in its PTX.
 
 Used by tests/test_triton_kernels.py in a process of its own (a process that has run kernels in
 Triton's interpreter cannot compile them for a GPU). local_bytes is the cubin's local memory (register spills)
-per the cuobjdump triton ships, null where it ships none.
+per the cuobjdump triton ships, null where it ships none. wsfp8: moe_gemm_ws_fp8's kernel: {"wgmma": count,
+"cp_async_arrive": bool, "shared": bytes, "stack_bytes": int or null, "barrier_threads": the thread counts of its
+named barriers, "max_regs": the registers its partitions raise themselves to}.
 """
 from __future__ import annotations
 
@@ -30,6 +33,7 @@ from triton.runtime.jit import mangle_type
 
 from moe_modular.kernels import moe_gemm as G
 from moe_modular.kernels import moe_gemm_ws as W
+from moe_modular.kernels import moe_gemm_ws_fp8 as F
 from moe_modular.kernels.moe_gemm import GemmTile
 
 TARGET = GPUTarget("cuda", 90, 32)
@@ -61,6 +65,32 @@ def compile_ws(fused: bool, gather: bool, tile: GemmTile):
     return triton.compile(src, target=TARGET, options={"num_warps": tile.num_warps})
 
 
+def compile_ws_fp8(fused: bool, gather: bool, scales: int):
+    """The fp8 kernel compiled for sm_90a as a DeepSeek-V3-sized first (fused, fp8 output with group scales) or
+    second GEMM (bf16 output times the top-k weight) would launch it; scales: Fp8Scales value."""
+    S, K, El, No = 1024, 7168, 8, 4096
+    fp8 = torch.float8_e4m3fn
+    a = torch.empty(S, K, dtype=fp8)
+    c = torch.empty(S, No // 2, dtype=fp8) if fused else torch.empty(S, No, dtype=torch.bfloat16)
+    a_desc, b_desc = F.fp8_ws_descriptors(a, torch.empty(El, No, K, dtype=fp8), not gather)
+    ids = torch.empty(4, dtype=torch.int32)
+    f32 = torch.empty(4, 4)
+    args = dict(a_desc=b_desc if gather else a_desc, a_ptr=a, stride_am=K, b_desc=b_desc, c_ptr=c, c_scale_ptr=f32,
+                a_scale_ptr=f32, b_scale_ptr=f32, topk_weights_ptr=f32, sorted_ids_ptr=ids, block_expert_ptr=ids,
+                num_post_padded_ptr=ids, num_routes=100, N=c.shape[1], K=K, topk=8, b_rows_per_expert=No,
+                stride_cm=c.stride(0), stride_csm=16, stride_asm=56, stride_bse=1792, stride_bsn=56, stride_wt=8,
+                stride_wk=1)
+    consts = dict(SCALES=scales, FUSE_ACT=fused, ACTIVATION=0, OUT_GROUP=128 if fused else 0, MUL_WEIGHT=not fused,
+                  C_SORTED=False, A_GATHER=gather, A_ROW_DIV=8 if fused else 1, BLOCK_M=F.FP8_WS_BLOCK_M,
+                  BLOCK_N=F.FP8_WS_BLOCK_N, BLOCK_K=F.FP8_WS_BLOCK_K, GROUP_M=8, STAGES=F.fp8_ws_stages(fused),
+                  A_LAYOUT=F._a_layout())
+    names = list(F._moe_gemm_ws_fp8_kernel.arg_names)
+    src = GluonASTSource(F._moe_gemm_ws_fp8_kernel, {**{k: mangle_type(v) for k, v in args.items()},
+                                                     **{k: "constexpr" for k in consts}}, constexprs=consts,
+                         attrs={(names.index(n),): [["tt.divisibility", 16]] for n in ALIGNED})
+    return triton.compile(src, target=TARGET, options={"num_warps": 4})
+
+
 def compile_pdl_gemm2(per_route: bool, persistent: int):
     """moe_gemm's kernel for sm_90a as a Qwen3-sized bf16 second GEMM with tile.pdl would launch it."""
     b = torch.empty(8, 2048, 768, dtype=torch.bfloat16)
@@ -84,8 +114,9 @@ def compile_pdl_gemm2(per_route: bool, persistent: int):
                           options={"num_warps": 4, "num_stages": 3, "launch_pdl": True})
 
 
-def local_bytes(cubin: bytes):
-    """Local memory of the kernel in `cubin` per triton's cuobjdump, or None where triton ships none."""
+def resource(cubin: bytes, what: str):
+    """One figure of the kernel in `cubin` per triton's cuobjdump resource usage (LOCAL: local memory, STACK: the
+    stack frame, where spilled registers go), or None where triton ships no cuobjdump."""
     cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
     if not os.path.exists(cuobjdump):
         return None
@@ -94,11 +125,26 @@ def local_bytes(cubin: bytes):
         f.flush()
         usage = subprocess.run([cuobjdump, "--dump-resource-usage", f.name], capture_output=True, text=True,
                                check=True).stdout
-    return int(re.search(r"LOCAL:(\d+)", usage).group(1))
+    return int(re.search(rf"{what}:(\d+)", usage).group(1))
+
+
+def local_bytes(cubin: bytes):
+    """Local memory of the kernel in `cubin` (register spills), or None where triton ships no cuobjdump."""
+    return resource(cubin, "LOCAL")
 
 
 def main(argv: list[str]) -> int:
     what, *numbers = argv
+    if what == "wsfp8":
+        fused, gather, scales = (int(v) for v in numbers)
+        kernel = compile_ws_fp8(bool(fused), bool(gather), scales)
+        ptx = kernel.asm["ptx"]
+        print(json.dumps({"wgmma": ptx.count("wgmma.mma_async"), "cp_async_arrive": "cp.async.mbarrier.arrive" in ptx,
+                          "shared": kernel.metadata.shared, "stack_bytes": resource(kernel.asm["cubin"], "STACK"),
+                          "barrier_threads": sorted({int(n) for n in re.findall(r"bar\.sync\s+\d+,\s*(\d+);", ptx)}),
+                          "max_regs": sorted({int(n) for n in re.findall(r"setmaxnreg\.inc\.sync\.aligned\.u32\s+(\d+)",
+                                                                         ptx)})}))
+        return 0
     if what == "pdl":
         per_route, persistent = (int(v) for v in numbers)
         kernel = compile_pdl_gemm2(bool(per_route), persistent)

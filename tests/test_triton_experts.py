@@ -552,3 +552,56 @@ def test_packaged_tables_cover_the_benchmark_shapes():
         key = TileKey(E, N, K, "bfloat16", "unquantized", "NVIDIA_H200")
         assert key in table.tables
         assert {1, 16384} <= set(table.tables[key])
+
+
+FP8_WS_CASES = [Case(300, 8, 2, K=384, N=256, quant=QuantConfig.fp8_block((128, 128))),
+                Case(260, 6, 3, K=256, N=128, quant=QuantConfig.fp8_block((128, 128)), held=(0, 2, 3, 5),
+                     activation=Activation.GELU),  # expert_map: routes to unheld experts write nothing
+                Case(300, 8, 2, K=256, N=384, quant=QuantConfig.fp8_per_token())]
+
+
+@pytest.mark.skipif(not gpu_has_tma(DEVICE), reason="the fp8 warp-specialized Gluon kernel needs a Hopper-class GPU "
+                    "(Triton's interpreter does not run Gluon); elsewhere tile.ws runs the Triton kernel")
+@pytest.mark.parametrize("c", FP8_WS_CASES, ids=_name)
+def test_fp8_warp_specialized_gemms_match_oracle(c: Case, monkeypatch):
+    # The tables' fp8 warp-specialized tiles (128 x 128 x 128, two consumer warpgroups; fp8-block also act_q): both
+    # GEMMs run the fp8 Gluon kernel (counted); eager and replayed from a CUDA graph with fresh inputs, workspaces
+    # poisoned before each, both match the oracle.
+    from moe_modular.kernels import moe_gemm_ws_fp8
+
+    calls = []
+    real = moe_gemm_ws_fp8.moe_gemm_ws_fp8
+    monkeypatch.setattr(moe_gemm_ws_fp8, "moe_gemm_ws_fp8", lambda *a, **k: calls.append(1) or real(*a, **k))
+    moe, qp, x, w1, w2, tw, ti, expert_map = make_inputs(c, seed=c.T + 5 * c.E)
+    tile = GemmTile(128, 128, 128, 8, 8, 3, ws=1)
+    gemm1 = replace(tile, BLOCK_N=256, act_q=1) if c.quant.is_block else tile
+    fe = TritonExperts(moe, qp, tile_config=TileConfig(gemm1, tile))
+    El, N2 = w1.shape[0], w1.shape[1]
+    pf = MoEPrepareAndFinalizeNoEP()
+    ws13, ws2, out = _poisoned_workspaces(fe, c.T, N2, c.K, c.topk, c.E, El)
+
+    def forward():
+        prepared = pf.prepare(x, tw, ti, c.E, expert_map, False, qp)
+        fe.apply(out, prepared.a1q, w1, w2, tw, ti, c.activation, c.E, expert_map, prepared.a1q_scale,
+                 qp.a2_scale, ws13, ws2, None, False)
+
+    def check():
+        ref = _reference(c, qp, x, w1, w2, tw, ti, expert_map)
+        assert torch.isfinite(out).all(), "a row of the output was not written"
+        err = ((out.float() - ref).norm() / ref.norm()).item()
+        assert err <= tolerance(c.dtype, c.quant), f"relative error {err:.3e}"
+
+    forward()
+    assert len(calls) == 2, "a GEMM ran the Triton kernel"
+    check()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        forward()
+    _, _, x2, _, _, tw2, ti2, _ = make_inputs(c, seed=c.T + 5 * c.E + 1)
+    for dst, src in ((x, x2), (tw, tw2), (ti, ti2)):
+        dst.copy_(src)
+    for t in (ws13, ws2, out):
+        t.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    check()

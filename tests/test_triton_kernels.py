@@ -785,3 +785,195 @@ def test_interpreter_patch_rounds_like_the_gpu():
     assert torch.equal(f8.float(), x.clamp(-448, 448).to(FP8_DTYPE).float())
     assert f8[0].item() == 128.0
     assert torch.equal(mul, (bf.float() * bf.float()).to(torch.bfloat16))
+
+
+# ---- the fp8 warp-specialized kernel (moe_gemm_ws_fp8) ---------------------------------------------------
+FP8_WS_TILE = GemmTile(128, 128, 128, 8, 8, 3, ws=1)
+
+
+@pytest.mark.parametrize("fused,gather,scales", [
+    (True, True, 0),  # the first GEMM: token rows gathered, gate | up, SiLU and the 1 x 128 quantization
+    (False, True, 0),  # the second GEMM on an intermediate in route order, block scales
+    (False, False, 0),  # the second GEMM on a sorted intermediate (TMA rows)
+    (False, True, 1),  # per-token x per-channel scales
+], ids=["gemm1-block", "gemm2-block-gathered", "gemm2-block-sorted", "gemm2-row"])
+def test_moe_gemm_ws_fp8_compiles_for_hopper(fused, gather, scales):
+    # No interpreter runs Gluon: compile for sm_90a (no GPU needed) and check what it became: 4 wgmma per
+    # 64 x 128 x 128 step and consumer (twice fused), cp.async only when gathering, shared memory within
+    # Hopper's 227 KiB, at most two spilled words (the prologue's), every named barrier within one warpgroup
+    # (the two consumers meet only at mbarriers), and consumers raised to at least 224 registers.
+    got = _sm90_compile_check("wsfp8", int(fused), int(gather), scales)
+    assert got["wgmma"] == (16 if fused else 8), got
+    assert got["cp_async_arrive"] == gather
+    assert got["shared"] <= 227 * 1024
+    if got["stack_bytes"] is not None:
+        assert got["stack_bytes"] <= 8, got
+    assert got["barrier_threads"] and max(got["barrier_threads"]) <= 128, got
+    assert max(r for r in got["max_regs"] if r < 256) >= 224, got
+
+
+def _fp8_ws_case(**over):
+    """fp8_ws_scales' arguments for a block-scaled second GEMM it takes, with `over` replacing some."""
+    fp8 = torch.float8_e4m3fn
+    El, No, Ko, R = 2, 256, 384, 40
+    args = dict(tile=FP8_WS_TILE, a=torch.empty(R, Ko, dtype=fp8), b_ENK=torch.empty(El, No, Ko, dtype=fp8),
+                c=torch.empty(R, No, dtype=torch.bfloat16), standard=True, a_sorted=False,
+                a_scale=torch.empty(R, Ko // 128), a_scale_mode=AScale.GROUP,
+                b_scale=torch.empty(El, No // 128, Ko // 128), b_scale_mode=BScale.BLOCK, group_shape=(128, 128),
+                fused=False, c_group=0)
+    args.update(over)
+    return args
+
+
+def test_fp8_ws_scales_picks_the_kernel_only_where_it_applies(monkeypatch):
+    # The fp8 kernel's applicability, read on the host (no GPU): each refusal falls back to the Triton kernel.
+    from moe_modular.kernels import moe_gemm as G
+
+    monkeypatch.setattr(G, "gpu_has_tma", lambda device: True)
+    fp8 = torch.float8_e4m3fn
+    assert G.fp8_ws_scales(**_fp8_ws_case()) == "BLOCK"
+    assert G.fp8_ws_scales(**_fp8_ws_case(a_scale_mode=AScale.ROW, b_scale_mode=BScale.CHANNEL,
+                                          a_scale=torch.empty(40, 1), b_scale=torch.empty(2, 256, 1))) == "ROW"
+    fused = dict(fused=True, c=torch.empty(40, 128, dtype=fp8), c_group=128)
+    assert G.fp8_ws_scales(**_fp8_ws_case(**fused)) == "BLOCK"
+    refused = {
+        "tile.ws 0": dict(tile=replace(FP8_WS_TILE, ws=0)),
+        "batched": dict(standard=False),
+        "BLOCK_N 64": dict(tile=replace(FP8_WS_TILE, BLOCK_N=64)),
+        "4 warps": dict(tile=replace(FP8_WS_TILE, num_warps=4)),
+        "bf16 A": dict(a=torch.empty(40, 384, dtype=torch.bfloat16)),
+        "per-tensor scales": dict(a_scale_mode=AScale.TENSOR, b_scale_mode=BScale.TENSOR),
+        "64 x 64 blocks": dict(group_shape=(64, 64)),
+        "Ko 200": dict(a=torch.empty(40, 200, dtype=fp8), b_ENK=torch.empty(2, 256, 200, dtype=fp8)),
+        "fused, 16-bit output": dict(fused=True, c=torch.empty(40, 128, dtype=torch.bfloat16)),
+        "fused, N 192": dict(fused=True, c=torch.empty(40, 192, dtype=fp8), c_group=128,
+                             b_ENK=torch.empty(2, 384, 384, dtype=fp8)),
+        "fused, per-row scales": dict(**fused, a_scale_mode=AScale.ROW, b_scale_mode=BScale.CHANNEL),
+        "fp8 output unfused": dict(c=torch.empty(40, 256, dtype=fp8)),
+        "B not contiguous": dict(b_ENK=torch.empty(2, 384, 256, dtype=fp8).transpose(1, 2)),
+        "scales strided along K": dict(a_scale=torch.empty(3, 40).t()),
+    }
+    for what, over in refused.items():
+        assert G.fp8_ws_scales(**_fp8_ws_case(**over)) is None, what
+    monkeypatch.setattr(G, "gpu_has_tma", lambda device: False)
+    assert G.fp8_ws_scales(**_fp8_ws_case()) is None, "a GPU before Hopper"
+
+
+# Routes per expert for the fp8 chain (BLOCK_M 128): two full blocks and a partial one, a single route, none,
+# a block exactly full, a partial block.
+FP8_WS_COUNTS = [301, 1, 0, 128, 150]
+
+
+def _fp8_chain_inputs(qc, K, N, seed):
+    k, El = 2, len(FP8_WS_COUNTS)
+    g = _gen(seed)
+    ids = _routes_with_counts(FP8_WS_COUNTS, k, g)
+    ids[3, 1] = -1  # a route held elsewhere: nothing written
+    T = ids.shape[0]
+    x = torch.randn(T, K, generator=g).to(torch.bfloat16)
+    xq, xs = quantize_activations(x, qc)
+    w1q, w1s = quantize_weights(torch.randn(El, 2 * N, K, generator=g) / K ** 0.5, qc)
+    w2q, w2s = quantize_weights(torch.randn(El, K, N, generator=g) / N ** 0.5, qc)
+    topk_w = torch.rand(T, k, generator=g)
+    return ids, xq, xs, w1q, w1s, w2q, w2s, topk_w
+
+
+@pytest.mark.skipif(not gpu_has_tma(DEVICE), reason="the fp8 warp-specialized Gluon kernel needs a Hopper-class GPU "
+                    "(Triton's interpreter does not run Gluon); elsewhere tile.ws runs the Triton kernel")
+@pytest.mark.parametrize("sorted_mid", [False, True], ids=["route-order", "sorted"])
+@pytest.mark.parametrize("activation", [Activation.SILU, Activation.GELU], ids=lambda a: a.value)
+def test_moe_gemm_ws_fp8_block_chain_matches_oracle(activation, sorted_mid, monkeypatch):
+    # fp8-block (1 x 128 / 128 x 128): the first GEMM gathers token rows and writes act(gate) * up quantized in
+    # 1 x 128 groups (route order, or sorted for the second GEMM to load through TMA); the second writes routes
+    # times the top-k weights in bf16. K = 384 (3 K steps), N = 256 (2 column tiles). Both GEMMs run the fp8
+    # kernel (counted). Unheld routes: nothing written (NaN stays); intermediate padding rows too.
+    from moe_modular.kernels import moe_gemm_ws_fp8
+
+    calls = []
+    real = moe_gemm_ws_fp8.moe_gemm_ws_fp8
+    monkeypatch.setattr(moe_gemm_ws_fp8, "moe_gemm_ws_fp8", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    K, N, G = 384, 256, 128
+    qc = QuantConfig.fp8_block((G, G))
+    ids, xq, xs, w1q, w1s, w2q, w2s, topk_w = _fp8_chain_inputs(qc, K, N, seed=91)
+    T, k = ids.shape
+    R = T * k
+    sorted_ids, block_expert, num_pp = moe_align(ids.to(DEVICE), FP8_WS_TILE.BLOCK_M, len(FP8_WS_COUNTS), None)
+    S = sorted_ids.numel()
+    align = dict(sorted_ids_S=sorted_ids, block_expert_Mb=block_expert, num_post_padded=num_pp, num_routes=R)
+    rows = S if sorted_mid else R
+    inter = torch.full((rows, N), float("nan"), device=DEVICE).to(FP8_DTYPE)
+    inter_s = torch.full((rows, N // G), float("nan"), device=DEVICE)
+    moe_gemm(xq.to(DEVICE), w1q.to(DEVICE), inter, FP8_WS_TILE, a_scale=xs.to(DEVICE), a_scale_mode=AScale.GROUP,
+             b_scale=w1s.to(DEVICE), b_scale_mode=BScale.BLOCK, group_shape=(G, G), a_row_div=k,
+             fuse_activation=activation, c_scale=inter_s, c_group=G, c_sorted=sorted_mid, **align)
+    y = torch.full((R, K), float("nan"), dtype=torch.bfloat16, device=DEVICE)
+    moe_gemm(inter, w2q.to(DEVICE), y, FP8_WS_TILE, a_scale=inter_s, a_scale_mode=AScale.GROUP,
+             b_scale=w2s.to(DEVICE), b_scale_mode=BScale.BLOCK, group_shape=(G, G), a_row_div=1,
+             topk_weights_Tk=topk_w.to(DEVICE), a_sorted=sorted_mid, **align)
+    assert len(calls) == 2, "a GEMM ran the Triton kernel"
+    inter, inter_s, y = inter.cpu().float(), inter_s.cpu(), y.cpu()
+    sid, npp = sorted_ids.cpu(), int(num_pp.cpu())
+    a_s = expand_group_scale(xs, K, G)
+    for r in range(R):
+        e = int(ids.view(-1)[r])
+        if e < 0:
+            assert y[r].isnan().all(), f"route {r} is not held but was written"
+            continue
+        p = int((sid[:npp] == r).nonzero()) if sorted_mid else r
+        t = r // k
+        h = act_and_mul_torch(moe_gemm_torch(xq[t:t + 1], w1q[e], a_s[t:t + 1], _weight_scale(w1s, qc, e, 2 * N, K)),
+                              activation)[0]
+        want_s = h.view(N // G, G).abs().amax(dim=1) / torch.finfo(FP8_DTYPE).max
+        assert torch.allclose(inter_s[p], want_s, rtol=1e-2), f"route {r} (expert {e}): intermediate scales"
+        deq = inter[p] * expand_group_scale(inter_s[p], N, G)
+        assert _rel(deq, h) <= FP8_EPS, f"route {r} (expert {e}): intermediate"
+        ref = moe_gemm_torch(inter[p: p + 1], w2q[e], expand_group_scale(inter_s[p: p + 1], N, G),
+                             _weight_scale(w2s, qc, e, K, N)) * topk_w.view(-1)[r]
+        assert _rel(y[r: r + 1], ref) <= 2 * torch.finfo(torch.bfloat16).eps, f"route {r} (expert {e}): output"
+    if sorted_mid:
+        assert inter[sid == R].isnan().all(), "padding rows were written"
+
+
+@pytest.mark.skipif(not gpu_has_tma(DEVICE), reason="the fp8 warp-specialized Gluon kernel needs a Hopper-class GPU "
+                    "(Triton's interpreter does not run Gluon); elsewhere tile.ws runs the Triton kernel")
+def test_moe_gemm_ws_fp8_row_chain_matches_oracle(monkeypatch):
+    # fp8-token (per-row activation, per-channel weight scales): the first GEMM gathers token rows into a float32
+    # h1 (R, 2N); the second reads the intermediate (quantized per row here, as act_and_mul does) and writes routes
+    # times the top-k weights in bf16. K = 256, N = 384. Both GEMMs run the fp8 kernel (counted).
+    from moe_modular.kernels import moe_gemm_ws_fp8
+
+    calls = []
+    real = moe_gemm_ws_fp8.moe_gemm_ws_fp8
+    monkeypatch.setattr(moe_gemm_ws_fp8, "moe_gemm_ws_fp8", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    K, N = 256, 384
+    qc = QuantConfig.fp8_per_token()
+    ids, xq, xs, w1q, w1s, w2q, w2s, topk_w = _fp8_chain_inputs(qc, K, N, seed=92)
+    T, k = ids.shape
+    R = T * k
+    sorted_ids, block_expert, num_pp = moe_align(ids.to(DEVICE), FP8_WS_TILE.BLOCK_M, len(FP8_WS_COUNTS), None)
+    align = dict(sorted_ids_S=sorted_ids, block_expert_Mb=block_expert, num_post_padded=num_pp, num_routes=R)
+    h1 = torch.full((R, 2 * N), float("nan"), device=DEVICE)
+    moe_gemm(xq.to(DEVICE), w1q.to(DEVICE), h1, FP8_WS_TILE, a_scale=xs.to(DEVICE), a_scale_mode=AScale.ROW,
+             b_scale=w1s.to(DEVICE), b_scale_mode=BScale.CHANNEL, a_row_div=k, **align)
+    held = ids.view(-1) >= 0
+    inter = torch.zeros(R, N).to(FP8_DTYPE)
+    inter_s = torch.ones(R, 1)
+    h1c = h1.cpu()
+    inter[held], inter_s[held] = quantize_activations(act_and_mul_torch(h1c[held], Activation.SILU), qc)
+    y = torch.full((R, K), float("nan"), dtype=torch.bfloat16, device=DEVICE)
+    moe_gemm(inter.to(DEVICE), w2q.to(DEVICE), y, FP8_WS_TILE, a_scale=inter_s.to(DEVICE), a_scale_mode=AScale.ROW,
+             b_scale=w2s.to(DEVICE), b_scale_mode=BScale.CHANNEL, a_row_div=1, topk_weights_Tk=topk_w.to(DEVICE),
+             **align)
+    assert len(calls) == 2, "a GEMM ran the Triton kernel"
+    y = y.cpu()
+    for r in range(R):
+        e = int(ids.view(-1)[r])
+        if e < 0:
+            assert h1c[r].isnan().all() and y[r].isnan().all(), f"route {r} is not held but was written"
+            continue
+        t = r // k
+        ref1 = moe_gemm_torch(xq[t:t + 1], w1q[e], xs[t:t + 1], w1s[e])
+        # float32 output: the wgmma's fp8 accumulation over K is the only rounding (as tl.dot's on Hopper)
+        assert _rel(h1c[r: r + 1], ref1) <= 4e-3, f"route {r} (expert {e}): h1"
+        ref = moe_gemm_torch(inter[r: r + 1], w2q[e], inter_s[r: r + 1], w2s[e]) * topk_w.view(-1)[r]
+        assert _rel(y[r: r + 1], ref) <= 2 * torch.finfo(torch.bfloat16).eps, f"route {r} (expert {e}): output"

@@ -366,6 +366,46 @@ def ws_applies(tile: GemmTile, a: torch.Tensor, b_ENK: torch.Tensor, c: torch.Te
     return tma_addressable(a) and (a_sorted or a.shape[-1] % tile.BLOCK_K == 0)
 
 
+# The fp8 warp-specialized kernel's tile (moe_gemm_ws_fp8.py): 128 x 128 outputs, K steps of 128, two consumer
+# warpgroups (num_warps 8 counts their warps; the launch's own is one of them).
+FP8_WS_TILE = (128, 128, 128)
+FP8_WS_WARPS = 8
+FP8_WS_GROUP = 128
+_FP8_WS_SCALES = {(AScale.GROUP, BScale.BLOCK): "BLOCK", (AScale.ROW, BScale.CHANNEL): "ROW"}
+
+
+def fp8_ws_scales(tile: GemmTile, a: torch.Tensor, b_ENK: torch.Tensor, c: torch.Tensor, *, standard: bool,
+                  a_sorted: bool, a_scale: Optional[torch.Tensor], a_scale_mode: AScale,
+                  b_scale: Optional[torch.Tensor], b_scale_mode: BScale, group_shape: tuple[int, int],
+                  fused: bool, c_group: int) -> Optional[str]:
+    """The Fp8Scales name moe_gemm runs `tile` with in the fp8 warp-specialized kernel, or None where it does not:
+    tile.ws on a Hopper-class GPU, the standard format, fp8 e4m3 A and B with 1 x 128 / 128 x 128 block scales or
+    per-row / per-channel scales, the tile FP8_WS_TILE with FP8_WS_WARPS warps, Ko a multiple of 128 (whole K
+    steps), B contiguous and TMA-addressable, scales unit-strided along K; fused: block scales, N a multiple of
+    128 and the output quantized in 1 x 128 groups; else a 16-bit or float32 output."""
+    if not (tile.ws and standard and gpu_has_tma(a.device)):
+        return None
+    fp8 = torch.float8_e4m3fn
+    scales = _FP8_WS_SCALES.get((a_scale_mode, b_scale_mode))
+    if scales is None or a.dtype != fp8 or b_ENK.dtype != fp8:
+        return None
+    if (tile.BLOCK_M, tile.BLOCK_N, tile.BLOCK_K) != FP8_WS_TILE or tile.num_warps != FP8_WS_WARPS:
+        return None
+    El, No, Ko = b_ENK.shape
+    if Ko % FP8_WS_TILE[2] or (scales == "BLOCK" and tuple(group_shape) != (FP8_WS_GROUP, FP8_WS_GROUP)):
+        return None
+    if fused:
+        if scales != "BLOCK" or (No // 2) % FP8_WS_GROUP or c.dtype != fp8 or c_group != FP8_WS_GROUP:
+            return None
+    elif c.dtype not in (torch.bfloat16, torch.float16, torch.float32) or c_group:
+        return None
+    if not b_ENK.is_contiguous() or c.stride(-1) != 1 or not tma_addressable(b_ENK.view(-1, Ko)):
+        return None
+    if scales == "BLOCK" and (a_scale.stride(-1) != 1 or b_scale.stride(-1) != 1):
+        return None
+    return scales if tma_addressable(a) else None
+
+
 def _a_scale_strides(scale: Optional[torch.Tensor], mode: AScale, batched: bool) -> tuple[int, int, int]:
     """(expert, row, group) strides of an A scale in `mode`."""
     if mode in (AScale.ROW, AScale.GROUP):
@@ -511,6 +551,19 @@ def moe_gemm(
                            topk_weights_Tk=topk_weights_Tk,
                            activation_code=None if fuse_activation is None else _ACT_CODE[fuse_activation],
                            c_sorted=c_sorted)
+    fp8_scales = fp8_ws_scales(tile, a, b_ENK, c, standard=sorted_ids_S is not None, a_sorted=a_sorted,
+                               a_scale=a_scale, a_scale_mode=a_scale_mode, b_scale=b_scale, b_scale_mode=b_scale_mode,
+                               group_shape=group_shape, fused=fuse_activation is not None, c_group=c_group)
+    if fp8_scales is not None:
+        from moe_modular.kernels.moe_gemm_ws_fp8 import Fp8Scales, moe_gemm_ws_fp8
+
+        return moe_gemm_ws_fp8(a, b_ENK, c, scales=Fp8Scales[fp8_scales], a_scale=a_scale, b_scale=b_scale,
+                               sorted_ids_S=sorted_ids_S, block_expert_Mb=block_expert_Mb,
+                               num_post_padded=num_post_padded, num_routes=num_routes, tiles=grid[0],
+                               sms=resident_programs(a.device), group_m=tile.GROUP_M, a_sorted=a_sorted,
+                               a_row_div=a_row_div, topk_weights_Tk=topk_weights_Tk,
+                               activation_code=None if fuse_activation is None else _ACT_CODE[fuse_activation],
+                               c_scale=c_scale, c_sorted=c_sorted)
     persistent = tile.persistent if sorted_ids_S is not None else 0
     if persistent:  # no more programs than tiles, nor than the device runs at once
         grid = (min(grid[0], resident_programs(a.device)),)
