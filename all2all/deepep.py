@@ -18,11 +18,17 @@ installed") when it is missing. No module-level mutable state.
 
 DeepEP facts this module encodes (DeepEP V1 `deep_ep.Buffer` API):
   * intranode high-throughput kernels exist for 2, 4 or 8 ranks; above 8 ranks the count must be a
-    multiple of 8 with 2, 4, 8, 16, 18 or 20 nodes;
+    multiple of 8 with a node count in HT_INTERNODE_NODES (16, 24, 32, 48, 64, 96, 128, 144, 160 ranks);
   * high-throughput kernels copy token rows in units of 32 lanes x 16 bytes, so a row's bytes are
     padded to HT_ROW_ALIGN_BYTES; combine takes bf16 only; top-k <= 32;
   * low-latency kernels are compiled for the hidden sizes in LL_HIDDEN_SIZES only, bf16 input,
-    top-k <= LL_MAX_TOPK, and need the same max tokens per rank on every rank.
+    top-k <= LL_MAX_TOPK, at least LL_MIN_EXPERTS experts, and the same max tokens per rank on every
+    rank; ranks x max tokens per rank must be a multiple of LL_TOKEN_MULTIPLE (the receive buffers are
+    TMA-copied), so the buffer's tokens per rank are rounded up (ll_dispatch_tokens);
+  * every low-latency Buffer initialises NVSHMEM for the process (and destroy() finalises it): one LL
+    Buffer per manager, shared by every layer whose config it covers; its queue pairs are
+    NVSHMEM_QP_DEPTH deep (DeepEP's default 1024), and a dispatch needs 2 x (tokens per rank + 1) of
+    them, so more than 511 tokens per rank need NVSHMEM_QP_DEPTH raised before the Buffer is built.
 
 Shape legend: W ranks (ep size), E global experts, El = E / W local experts, K hidden.
 """
@@ -30,6 +36,8 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import math
+import os
 from abc import abstractmethod
 from dataclasses import dataclass
 from types import ModuleType
@@ -45,13 +53,16 @@ DEEP_EP_MISSING = "deep_ep is not installed"
 
 NUM_MAX_NVL_PEERS = 8  # ranks one DeepEP NVLink domain holds
 HT_INTRANODE_RANKS: tuple[int, ...] = (2, 4, 8)
-HT_INTERNODE_NODES: tuple[int, ...] = (2, 4, 8, 16, 18, 20)
+HT_INTERNODE_NODES: tuple[int, ...] = (2, 3, 4, 6, 8, 12, 16, 18, 20)
 HT_ROW_ALIGN_BYTES = 512  # 32 lanes x sizeof(int4)
 HT_MAX_TOPK = 32
 HT_COMBINE_DTYPE = torch.bfloat16
 QPS_PER_CHANNEL_DIVISOR = 2  # internode HT: one QP per channel, a channel per 2 SMs
 LL_HIDDEN_SIZES: tuple[int, ...] = (2048, 2560, 3072, 4096, 5120, 6144, 7168, 8192)
-LL_MAX_TOPK = 9
+LL_MAX_TOPK = 11
+LL_MIN_EXPERTS = 2  # the dispatch kernel needs two SMs' worth of experts
+LL_TOKEN_MULTIPLE = 4  # ranks x tokens per rank (the receive buffers' rows are TMA-copied)
+LL_DEFAULT_QP_DEPTH = 1024  # DeepEP's NVSHMEM_QP_DEPTH when the environment sets none
 LL_SCALE_GROUP = 128  # low-latency fp8 dispatch: one float32 scale per 1 x 128 group
 
 
@@ -102,6 +113,29 @@ def ll_rank_count_error(world_size: int) -> Optional[str]:
         return None
     return (f"ep_size ({world_size}) is not a rank count DeepEP low-latency buffers take; allowed: "
             f"1 to {NUM_MAX_NVL_PEERS - 1}, or a multiple of {NUM_MAX_NVL_PEERS}")
+
+
+def ll_dispatch_tokens(max_num_tokens: int, world_size: int) -> int:
+    """Tokens per rank a low-latency buffer is built for: max_num_tokens rounded up so that world_size x tokens
+    is a multiple of LL_TOKEN_MULTIPLE (the same on every rank: it depends on both only)."""
+    if not isinstance(max_num_tokens, int) or max_num_tokens < 1:
+        raise ValueError(f"max_num_tokens ({max_num_tokens!r}) must be an int >= 1")
+    step = LL_TOKEN_MULTIPLE // math.gcd(LL_TOKEN_MULTIPLE, world_size)
+    return -(-max_num_tokens // step) * step
+
+
+def ll_max_tokens_for_qp_depth(qp_depth: int) -> int:
+    """The most tokens per rank a low-latency dispatch takes with queue pairs qp_depth deep."""
+    return qp_depth // 2 - 1
+
+
+def ll_qp_depth_error(tokens_per_rank: int, qp_depth: int) -> Optional[str]:
+    """None when queue pairs qp_depth deep hold a dispatch of tokens_per_rank, else why not and what to set."""
+    if tokens_per_rank <= ll_max_tokens_for_qp_depth(qp_depth):
+        return None
+    return (f"max_num_tokens ({tokens_per_rank} per rank in the low-latency buffer) must be <= "
+            f"{ll_max_tokens_for_qp_depth(qp_depth)} with NVSHMEM_QP_DEPTH {qp_depth}; set NVSHMEM_QP_DEPTH to at "
+            f"least {2 * (tokens_per_rank + 1)} before the process group's DeepEP manager is made")
 
 
 # ---- hidden sizes -----------------------------------------------------------------------------
@@ -316,10 +350,20 @@ class DeepEPHighThroughputManager(_DeepEPManager):
 
 
 class DeepEPLowLatencyManager(_DeepEPManager):
-    """deep_ep.Buffer in low-latency mode, one per DeepEPLLBufferConfig."""
+    """deep_ep.Buffer in low-latency mode: one Buffer (one NVSHMEM initialisation) for the manager, built for the
+    first DeepEPLLBufferConfig asked for and shared by every later config it covers (no more RDMA bytes, no more
+    queue pairs per rank); a config it does not cover is refused, naming both. qp_depth: NVSHMEM_QP_DEPTH as the
+    environment sets it when the manager is made (DeepEP's default 1024 when unset), which bounds the tokens
+    per rank (ll_qp_depth_error)."""
 
     backend_name: ClassVar[str] = "deepep_low_latency"
     low_latency_mode: ClassVar[bool] = True
+
+    def __init__(self, group: Any, device: Optional[torch.device] = None,
+                 deep_ep_module: Optional[ModuleType] = None) -> None:
+        super().__init__(group, device, deep_ep_module)
+        self.qp_depth = int(os.environ.get("NVSHMEM_QP_DEPTH", LL_DEFAULT_QP_DEPTH))
+        self._owner: Optional[DeepEPBufferHandle] = None  # the handle that built the Buffer
 
     @classmethod
     def rank_count_error(cls, world_size: int) -> Optional[str]:
@@ -327,6 +371,30 @@ class DeepEPLowLatencyManager(_DeepEPManager):
 
     def buffer_sizes(self, config: DeepEPLLBufferConfig) -> DeepEPBufferSizes:
         return ll_buffer_sizes(self.deep_ep, self.world_size, config)
+
+    def _make_handle(self, config: DeepEPLLBufferConfig) -> DeepEPBufferHandle:
+        error = ll_qp_depth_error(config.max_dispatch_tokens_per_rank, self.qp_depth)
+        if error is not None:
+            raise ValueError(f"{type(self).__name__}: {error}")
+        owner = self._owner
+        if owner is None:
+            self._owner = super()._make_handle(config)
+            return self._owner
+        sizes = self.buffer_sizes(config)
+        built = owner.sizes
+        if sizes.num_rdma_bytes > built.num_rdma_bytes or sizes.num_qps_per_rank > built.num_qps_per_rank:
+            raise ValueError(
+                f"{type(self).__name__}: this process's DeepEP low-latency buffer was built for {owner.config} "
+                f"({built.num_rdma_bytes} RDMA bytes, {built.num_qps_per_rank} queue pairs per rank); {config} needs "
+                f"{sizes.num_rdma_bytes} bytes and {sizes.num_qps_per_rank} queue pairs, and a second buffer would "
+                f"initialise NVSHMEM again. Make the layer with the most tokens per rank, hidden size and experts "
+                f"first, or give every layer the same max_num_tokens")
+        # the same Buffer under this config's handle; destroying it leaves the Buffer to its owner
+        return DeepEPBufferHandle(config, self.device, owner.deep_ep_buffer, built, explicit_destroy=False)
+
+    def destroy(self) -> None:
+        super().destroy()
+        self._owner = None
 
     def dispatch_accepts(self, name: str) -> bool:
         """Whether this deep_ep build's low_latency_dispatch takes keyword `name` (e.g. use_fp8)."""

@@ -4,20 +4,32 @@ real kernels would reject (row alignment, dtypes, capacities) so a PF that passe
 DeepEP what it accepts; it does not model DeepEP's speed or its buffer layout.
 
 make_stand_in(...) returns a fresh module object whose `log` list records Buffer construction and
-destruction, so tests can count them.
+destruction, so tests can count them. Like DeepEP, a low-latency Buffer stands for the process's NVSHMEM: a
+second one while the first is alive is refused, and its queue-pair depth is NVSHMEM_QP_DEPTH as the
+environment sets it when the Buffer is built.
 
 Shape legend: W ranks, T tokens on a rank, k topk, El local experts, Tm max tokens per rank,
 B = Tm * W slots, Kp / Kl padded hidden sizes.
 """
 from __future__ import annotations
 
+import os
 import types
+import weakref
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from all2all.deepep import HT_ROW_ALIGN_BYTES, LL_HIDDEN_SIZES, LL_MAX_TOPK, LL_SCALE_GROUP
+from all2all.deepep import (
+    HT_ROW_ALIGN_BYTES,
+    LL_DEFAULT_QP_DEPTH,
+    LL_HIDDEN_SIZES,
+    LL_MAX_TOPK,
+    LL_MIN_EXPERTS,
+    LL_SCALE_GROUP,
+    LL_TOKEN_MULTIPLE,
+)
 from moe_modular.quant import QuantConfig, quantize_activations
 
 FP8 = torch.float8_e4m3fn
@@ -53,6 +65,7 @@ def make_stand_in(has_use_fp8: bool = True, explicit_destroy: bool = True) -> ty
     explicit_destroy=False models builds whose Buffer has no destroy()."""
     mod = types.ModuleType("deep_ep")
     mod.log = []
+    live_ll = weakref.WeakSet()  # low-latency Buffers not yet destroyed (NVSHMEM initialised once per process)
 
     class Config:
         def __init__(self, num_sms: int, nvl_chunk: int, nvl_recv: int, rdma_chunk: int, rdma_recv: int) -> None:
@@ -76,6 +89,11 @@ def make_stand_in(has_use_fp8: bool = True, explicit_destroy: bool = True) -> ty
             self.low_latency_mode, self.num_qps_per_rank = low_latency_mode, num_qps_per_rank
             self.explicitly_destroy = explicitly_destroy
             self.rank, self.world_size = dist.get_rank(group), dist.get_world_size(group)
+            if low_latency_mode:
+                if len(live_ll):
+                    raise RuntimeError("NVSHMEM is already initialised by another low-latency Buffer of this process")
+                live_ll.add(self)
+                self.qp_depth = int(os.environ.get("NVSHMEM_QP_DEPTH", LL_DEFAULT_QP_DEPTH))
             mod.log.append(("init", id(self), num_nvl_bytes, num_rdma_bytes, low_latency_mode, num_qps_per_rank,
                             explicitly_destroy))
 
@@ -164,6 +182,10 @@ def make_stand_in(has_use_fp8: bool = True, explicit_destroy: bool = True) -> ty
             Tm = num_max_dispatch_tokens_per_rank
             assert x.size(0) <= Tm
             W, me, El, Kl = self.world_size, self.rank, num_experts // self.world_size, x.size(1)
+            assert (W * Tm) % LL_TOKEN_MULTIPLE == 0, "TMA requires the number of tokens to be multiple of 4"
+            assert num_experts % W == 0 and num_experts >= LL_MIN_EXPERTS, "the dispatch kernel needs 2+ experts"
+            assert self.qp_depth >= (Tm + 1) * 2, "NVSHMEM_QP_DEPTH too small for this many tokens per rank"
+            assert not use_fp8 or Kl % 512 == 0
             B = Tm * W
             every = _gather((x, topk_idx, Tm), self.group)
             assert all(tm == Tm for _, _, tm in every), "max tokens per rank must match on every rank"
@@ -213,6 +235,7 @@ def make_stand_in(has_use_fp8: bool = True, explicit_destroy: bool = True) -> ty
 
         def destroy(self) -> None:
             assert self.explicitly_destroy, "destroy() is for buffers built with explicitly_destroy=True"
+            live_ll.discard(self)
             mod.log.append(("destroy", id(self)))
 
     if has_use_fp8:

@@ -4,6 +4,8 @@ destroy-once, buffer-size arithmetic, id remapping, hidden padding, quantization
 the dispatch, the receive hook, and the result against the float32 oracle."""
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -129,6 +131,47 @@ def _managers_worker(pgi) -> None:
                                               True, 4, False)
     llm.destroy()
     assert lh.destroyed and not _destroys(ll_mod)  # no destroy() on such builds: the reference is dropped
+
+    # One low-latency Buffer per manager (one NVSHMEM initialisation): configs it covers share it, a larger
+    # one is refused naming both, and a second Buffer in the process is refused by DeepEP itself.
+    ll_mod = make_stand_in()
+    llm = DeepEPLowLatencyManager(pgi.group, CPU, deep_ep_module=ll_mod)
+    big = llm.get_handle(DeepEPLLBufferConfig(16, 4096, 8))
+    small = llm.get_handle(DeepEPLLBufferConfig(8, 2048, 8))
+    assert small is not big and small.deep_ep_buffer is big.deep_ep_buffer and len(_inits(ll_mod)) == 1
+    try:
+        llm.get_handle(DeepEPLLBufferConfig(32, 4096, 8))
+    except ValueError as exc:
+        assert "was built for DeepEPLLBufferConfig(max_dispatch_tokens_per_rank=16" in str(exc), str(exc)
+        assert "initialise NVSHMEM again" in str(exc)
+    else:
+        raise AssertionError("a config the process's low-latency buffer does not cover must be refused")
+    try:
+        DeepEPLowLatencyManager(pgi.group, CPU, deep_ep_module=ll_mod).get_handle(DeepEPLLBufferConfig(8, 2048, 8))
+    except RuntimeError as exc:
+        assert "already initialised" in str(exc)
+    else:
+        raise AssertionError("the stand-in must refuse a second low-latency Buffer, as NVSHMEM does")
+    llm.destroy()
+    assert len(_destroys(ll_mod)) == 1, "the shared Buffer is destroyed once, by its owner"
+    again = DeepEPLowLatencyManager(pgi.group, CPU, deep_ep_module=ll_mod)
+    again.get_handle(DeepEPLLBufferConfig(8, 2048, 8))  # after destroy() a new Buffer may be built
+    again.destroy()
+
+    # Queue pairs NVSHMEM_QP_DEPTH deep hold 2 x (tokens + 1) work requests: more tokens are refused up front.
+    os.environ["NVSHMEM_QP_DEPTH"] = "64"
+    try:
+        shallow = DeepEPLowLatencyManager(pgi.group, CPU, deep_ep_module=make_stand_in())
+        try:
+            shallow.get_handle(DeepEPLLBufferConfig(32, 2048, 8))
+        except ValueError as exc:
+            assert "must be <= 31 with NVSHMEM_QP_DEPTH 64" in str(exc) and "at least 66" in str(exc), str(exc)
+        else:
+            raise AssertionError("more tokens per rank than the queue pairs hold must be refused")
+        shallow.get_handle(DeepEPLLBufferConfig(31, 2048, 8))
+        shallow.destroy()
+    finally:
+        del os.environ["NVSHMEM_QP_DEPTH"]
 
 
 def test_managers_share_handles_and_destroy_once():

@@ -37,7 +37,9 @@ HT_RANK_CASES = [
     (8, True),    # a full NVLink domain
     (12, False),  # spans nodes but is not 8 x nodes
     (16, True),   # 2 nodes
-    (24, False),  # 3 nodes: no internode kernel
+    (24, True),   # 3 nodes
+    (40, False),  # 5 nodes: no internode kernel
+    (96, True),   # 12 nodes
     (144, True),  # 18 nodes
     (168, False), # 21 nodes
 ]
@@ -126,8 +128,10 @@ def test_ll_hidden_above_largest_is_a_clear_error():
 
 
 LL_CONFIG_CASES = [
-    (dict(topk=9, E=16), None),                 # the largest top-k the kernels take
-    (dict(topk=10, E=16), "topk (10)"),         # above it
+    (dict(topk=11, E=16), None),                # the largest top-k the kernels take
+    (dict(topk=12, E=16), "topk (12)"),         # above it
+    (dict(ep=1, E=1, topk=1), "num_experts (1) must be >= 2"),  # the dispatch kernel needs two experts
+    (dict(ep=1, E=2, topk=1, max_tokens=1), None),  # one token per rank: the buffer rounds it up
     (dict(dtype=torch.float16), "dtype"),       # bf16 only
     (dict(ep=12, E=24), "ep_size (12)"),        # not a Buffer rank count
 ]
@@ -140,6 +144,47 @@ def test_ll_check_config(kw, fragment):
         assert err is None
     else:
         assert fragment in err
+
+
+LL_TOKEN_CASES = [
+    (1, 1, 4),    # one rank: tokens per rank a multiple of 4
+    (5, 2, 6),    # two ranks: even
+    (6, 2, 6),
+    (3, 4, 3),    # four ranks or more: any count
+    (7, 8, 7),
+    (9, 6, 10),   # six ranks: even
+]
+
+
+@pytest.mark.parametrize("tokens,ranks,expected", LL_TOKEN_CASES)
+def test_ll_dispatch_tokens_make_whole_tma_rows(tokens, ranks, expected):
+    got = deepep.ll_dispatch_tokens(tokens, ranks)
+    assert got == expected and (got * ranks) % deepep.LL_TOKEN_MULTIPLE == 0
+
+
+def test_ll_qp_depth_bounds_the_tokens_per_rank():
+    assert deepep.ll_max_tokens_for_qp_depth(deepep.LL_DEFAULT_QP_DEPTH) == 511
+    assert deepep.ll_qp_depth_error(511, 1024) is None
+    err = deepep.ll_qp_depth_error(512, 1024)
+    assert "max_num_tokens (512 per rank" in err and "<= 511" in err and "NVSHMEM_QP_DEPTH to at least 1026" in err
+    assert deepep.ll_qp_depth_error(512, 1026) is None
+
+
+def test_ll_pf_reports_the_rounded_tokens_per_rank():
+    # the experts size their slots from the PF's tokens per rank: the buffer's, rounded up for DeepEP's TMA copies
+    class _Manager:
+        world_size, rank, group, device = 1, 0, None, torch.device("cpu")
+
+        def dispatch_accepts(self, name):
+            return True
+
+        def get_handle(self, config):
+            self.config = config
+            return None
+
+    manager = _Manager()
+    pf = DeepEPLLPrepareAndFinalize(_moe(ep=1, E=4, K=2048, max_tokens=5), manager)
+    assert pf.max_num_tokens_per_rank() == 8 and manager.config.max_dispatch_tokens_per_rank == 8
 
 
 HT_CONFIG_CASES = [

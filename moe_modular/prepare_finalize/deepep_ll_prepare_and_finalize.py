@@ -1,8 +1,9 @@
 """DeepEPLLPrepareAndFinalize: BatchedExperts-format expert parallelism over DeepEP's low-latency kernels.
 
 Shape legend: T tokens on this rank, K hidden, Kl the low-latency kernel hidden size (K rounded
-up to one DeepEP is built for), k topk, El local experts, W ranks, Tm max tokens per rank,
-B = Tm * W slots per local expert, G = ceil(K / 128) fp8 scale groups.
+up to one DeepEP is built for), k topk, El local experts, W ranks, Tm tokens per rank the buffer holds
+(moe.max_num_tokens rounded up so that W * Tm is a multiple of 4), B = Tm * W slots per local expert,
+G = ceil(K / 128) fp8 scale groups.
 """
 from __future__ import annotations
 
@@ -13,10 +14,12 @@ import torch
 
 from all2all.deepep import (
     LL_MAX_TOPK,
+    LL_MIN_EXPERTS,
     LL_SCALE_GROUP,
     DeepEPLLBufferConfig,
     DeepEPLowLatencyManager,
     ll_dispatch_has_use_fp8,
+    ll_dispatch_tokens,
     ll_hidden_size,
     ll_rank_count_error,
 )
@@ -75,8 +78,9 @@ class DeepEPLLPrepareAndFinalize(EPPrepareAndFinalize):
         self.fp8_dispatch = self.dispatches_fp8(moe.quant)
         if not self.fp8_dispatch and not manager.dispatch_accepts("use_fp8"):
             raise ValueError(f"{type(self).__name__}: {_NO_BF16_DISPATCH} (scheme {moe.quant.name})")
+        self.dispatch_tokens = ll_dispatch_tokens(moe.max_num_tokens, manager.world_size)
         self.handle = manager.get_handle(
-            DeepEPLLBufferConfig(moe.max_num_tokens, self.kernel_hidden, moe.num_experts))
+            DeepEPLLBufferConfig(self.dispatch_tokens, self.kernel_hidden, moe.num_experts))
         self.linear_E = linear_expert_table(ExpertPlacementTables.build(moe, manager.device))
         self._state: Optional[_Dispatched] = None
 
@@ -96,6 +100,9 @@ class DeepEPLLPrepareAndFinalize(EPPrepareAndFinalize):
             return f"dtype ({moe.dtype}) must be {LL_DTYPE}: DeepEP's low-latency kernels take bf16 only"
         if moe.topk > LL_MAX_TOPK:
             return f"topk ({moe.topk}) must be <= {LL_MAX_TOPK} for DeepEP's low-latency kernels"
+        if moe.num_experts < LL_MIN_EXPERTS:
+            return (f"num_experts ({moe.num_experts}) must be >= {LL_MIN_EXPERTS} for DeepEP's low-latency dispatch "
+                    f"kernel")
         try:
             ll_hidden_size(moe.hidden_dim)
         except ValueError as exc:
@@ -117,7 +124,8 @@ class DeepEPLLPrepareAndFinalize(EPPrepareAndFinalize):
         return torch.int64
 
     def max_num_tokens_per_rank(self) -> Optional[int]:
-        return self.moe.max_num_tokens
+        """Tm: the slots each rank has per local expert in the receive buffer (B = Tm * W)."""
+        return self.dispatch_tokens
 
     def has_prepare_no_receive(self) -> bool:
         return True
@@ -154,7 +162,7 @@ class DeepEPLLPrepareAndFinalize(EPPrepareAndFinalize):
             kwargs["use_fp8"] = self.fp8_dispatch
         with phase("dispatch"):
             recv_x, recv_count_El, handle, _, hook = self.handle.deep_ep_buffer.low_latency_dispatch(
-                x_TKl, ids_Tk, moe.max_num_tokens, num_experts, async_finish=False, return_recv_hook=use_hook,
+                x_TKl, ids_Tk, self.dispatch_tokens, num_experts, async_finish=False, return_recv_hook=use_hook,
                 **kwargs)
 
         def receive() -> PrepareResult:
@@ -201,7 +209,7 @@ class DeepEPLLPrepareAndFinalize(EPPrepareAndFinalize):
                 f"({type(weight_and_reduce_impl).__name__}) must be one of {allowed}")
         self._state = None
         moe = self.moe
-        El, B = moe.num_local_experts, moe.max_num_tokens * self.world_size
+        El, B = moe.num_local_experts, self.dispatch_tokens * self.world_size
         K = moe.hidden_dim
         if tuple(fused_expert_output.shape) != (El, B, K):
             raise ValueError(f"fused_expert_output must be ({El}, {B}, {K}), got {tuple(fused_expert_output.shape)}")
