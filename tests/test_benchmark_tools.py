@@ -440,3 +440,41 @@ def test_align_time_rejects_a_missing_baseline(capsys, tmp_path):
     with pytest.raises(SystemExit):
         align_time.parse_args(["--smoke", "--baseline", str(tmp_path / "nope.py")])
     assert "--baseline (" in capsys.readouterr().err
+
+
+def _yard_row(quant, shape, M, experts, graph_us, yard_us=None, flops=2e12):
+    return {"quant": quant, "shape": shape, "M": M, "experts": experts, "eager_us": graph_us * 2, "graph_us": graph_us,
+            "floor_flops": flops, "yardstick_us": yard_us, "yardstick_scaling": "row-wise" if yard_us else None}
+
+
+def test_fp8_yardstick_and_bf16_ratio_tables():
+    # fp8 cells with a yardstick report useful TFLOP/s, the fraction of the fp8 rate and yardstick / ours; with
+    # bf16 cells in the same run, bf16 time / fp8 time per cell (> 1: fp8 faster)
+    rows = [_yard_row("fp8-block", "ds", 4096, "triton", 2000.0, yard_us=1000.0),
+            _yard_row("fp8-block", "ds", 8, "triton", 50.0),
+            _yard_row("bf16", "ds", 4096, "triton", 3000.0), _yard_row("bf16", "ds", 8, "triton", 40.0)]
+    q_rows = [r for r in rows if r["quant"] == "fp8-block"]
+    lines = bm.yardstick_lines("fp8-block", q_rows, ["triton"], {"fp8_flops": 4e15})
+    assert any("row-wise" in ln for ln in lines)
+    # 2e12 flops in 2000 us = 1000 TFLOP/s = 0.25 of 4000; the yardstick took half the time
+    assert "| ds | 4096 | 1000.0 | 2000 | 1000 (0.25) | 0.50 |" in lines, lines
+    assert not any("| ds | 8 |" in ln for ln in lines), "a cell without a yardstick has no row"
+    assert bm.yardstick_lines("bf16", rows[2:], ["triton"], {"fp8_flops": 4e15}) == []
+    ratio = bm.bf16_ratio_lines("fp8-block", rows, ["triton"], [8, 4096])
+    assert "| ds | triton | 0.80 | 1.50 |" in ratio, ratio
+    assert bm.bf16_ratio_lines("bf16", rows, ["triton"], [8, 4096]) == []
+
+
+def test_fp8_yardstick_declines_cells_it_cannot_measure():
+    from tools import fp8_yardstick
+
+    class _CpuTimer:
+        cuda = False
+
+    assert fp8_yardstick.yardstick_us(4096, 8, 7168, 2048, True, _CpuTimer()) == (None, "no GPU")
+
+    class _GpuTimer:
+        cuda = True
+
+    us, why = fp8_yardstick.yardstick_us(8, 8, 7168, 2048, True, _GpuTimer())
+    assert us is None and "64 routed rows: below 1024" in why

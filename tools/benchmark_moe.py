@@ -105,7 +105,8 @@ WEIGHT_CHUNK_BYTES = 1 << 30
 
 CSV_FIELDS = ["quant", "shape", "E", "K", "N", "topk", "M", "experts", "status", "n_sets", "distinct_experts",
               "floor_bytes", "floor_flops", "floor_us", "bound", "eager_us", "graph_us", "frac_eager", "frac_graph",
-              "prepare_us", "experts_us", "finalize_us", "check_rel_err", "vllm_frac"]
+              "prepare_us", "experts_us", "finalize_us", "check_rel_err", "vllm_frac", "yardstick_us",
+              "yardstick_scaling"]
 
 
 def log(msg: str) -> None:
@@ -523,6 +524,8 @@ def table_text(rows: list[dict], ceil: dict, Ms: list[int]) -> str:
                         v, b = (vllm_us(r), best_us(r)) if r is not None else (None, None)
                         cells.append(_fmt(v / b) if v and b else "")
                     lines.append(f"| {shape} | {name} | " + " | ".join(cells) + " |")
+        lines += yardstick_lines(quant, q_rows, names, ceil)
+        lines += bf16_ratio_lines(quant, rows, names, Ms)
         lines += [""]
         for name in names:
             nr = [r for r in q_rows if r["experts"] == name]
@@ -546,6 +549,54 @@ def table_text(rows: list[dict], ceil: dict, Ms: list[int]) -> str:
     return "\n".join(lines)
 
 
+def yardstick_lines(quant: str, q_rows: list[dict], names: list[str], ceil: dict) -> list[str]:
+    """The fp8 yardstick table: per cell with a yardstick, the useful TFLOP/s of each experts class and of the
+    dense fp8 GEMMs with the same work (tools/fp8_yardstick.py), and yardstick time / ours (1.0: as fast)."""
+    cells = [r for r in q_rows if r.get("yardstick_us") not in (None, "")]
+    if not cells:
+        return []
+    scalings = sorted({str(r.get("yardstick_scaling")) for r in cells})
+    fp8_rate = float(ceil.get("fp8_flops") or 0)
+    lines = ["", f"### {quant}: against the yardstick (dense fp8 GEMMs with the cell's useful flops, same run)", "",
+             f"Yardstick scaling: {'; '.join(scalings)}. TFLOP/s count useful work (2 * M * k * 3 * N * K); "
+             f"'of fp8 rate' divides by the {fp8_rate / 1e12:.0f} TFLOP/s dense fp8 matmul of this run.", "",
+             "| shape | M | yardstick us | yardstick TFLOP/s | " + " | ".join(
+                 f"{n} TFLOP/s (of fp8 rate) | yardstick / {n}" for n in names) + " |",
+             "|---|---|---|---|" + "---|---|" * len(names)]
+    for key in dict.fromkeys((r["shape"], r["M"]) for r in cells):
+        rs = [r for r in cells if (r["shape"], r["M"]) == key]
+        y = float(rs[0]["yardstick_us"])
+        flops = float(rs[0]["floor_flops"])
+        out = []
+        for n in names:
+            r = next((r for r in rs if r["experts"] == n), None)
+            b = best_us(r) if r is not None else None
+            rate = flops / (b * 1e-6) if b else None
+            out.append(f"{_fmt(rate / 1e12 if rate else None, '.0f')} ({_fmt(rate / fp8_rate if rate and fp8_rate else None)})"
+                       f" | {_fmt(y / b if b else None)}")
+        lines.append(f"| {key[0]} | {key[1]} | {y:.1f} | {flops / (y * 1e-6) / 1e12:.0f} | " + " | ".join(out) + " |")
+    return lines
+
+
+def bf16_ratio_lines(quant: str, rows: list[dict], names: list[str], Ms: list[int]) -> list[str]:
+    """For an fp8 scheme with bf16 cells in the same run: bf16 time / this scheme's time per cell (best of eager
+    and graph; > 1: the fp8 cell is faster)."""
+    if quant == "bf16" or not any(r["quant"] == "bf16" for r in rows):
+        return []
+    lines = ["", f"### {quant}: bf16 time / {quant} time, same run (> 1: fp8 faster)", "",
+             "| shape | experts | " + " | ".join(f"M={m}" for m in Ms) + " |", "|---|---|" + "---|" * len(Ms)]
+    for shape in dict.fromkeys(r["shape"] for r in rows if r["quant"] == quant):
+        for name in names:
+            cells = []
+            for m in Ms:
+                pick = {q: next((r for r in rows if (r["quant"], r["shape"], r["experts"], r["M"]) == (q, shape, name, m)),
+                                None) for q in ("bf16", quant)}
+                times = {q: best_us(r) if r is not None else None for q, r in pick.items()}
+                cells.append(_fmt(times["bf16"] / times[quant]) if times["bf16"] and times[quant] else "")
+            lines.append(f"| {shape} | {name} | " + " | ".join(cells) + " |")
+    return lines
+
+
 def write_csv(path: str, rows: list[dict], fields: Sequence[str] = ()) -> None:
     """rows as CSV with the columns `fields` (default CSV_FIELDS); None is written as an empty cell."""
     fields = list(fields or CSV_FIELDS)
@@ -557,7 +608,7 @@ def write_csv(path: str, rows: list[dict], fields: Sequence[str] = ()) -> None:
 
 
 _INT_FIELDS = {"E", "K", "N", "topk", "M", "n_sets"}
-_STR_FIELDS = {"quant", "shape", "experts", "status", "bound"}
+_STR_FIELDS = {"quant", "shape", "experts", "status", "bound", "yardstick_scaling"}
 
 
 def read_csv(path: str) -> list[dict]:
@@ -665,6 +716,8 @@ def parse_args(argv=None):
     p.add_argument("--rep-ms", type=float, default=100.0, help="time budget of one measurement")
     p.add_argument("--no-graph", dest="graph", action="store_false", help="skip the CUDA graph timing")
     p.add_argument("--no-phases", dest="phases", action="store_false", help="skip the per-phase timing")
+    p.add_argument("--no-yardstick", dest="yardstick", action="store_false",
+                   help="skip the fp8 cells' yardstick (dense fp8 GEMMs with the cell's flops; tools/fp8_yardstick.py)")
     p.add_argument("--tile-dir", help="read TritonExperts tile tables from this directory (default: packaged)")
     p.add_argument("--check-tol", type=float, default=0.05, help="largest relative error of the spot check")
     p.add_argument("--seed", type=int, default=0)
@@ -738,10 +791,18 @@ def main(argv=None) -> int:
                 f"in {time.perf_counter() - t0:.1f}s")
             for M in args.ms:
                 sets = make_inputs(shape, M, n_sets_for(shape, qc, M, timer.l2_bytes), device, args.seed)
+                yard = {}
+                if qc.is_quantized and args.yardstick:
+                    from tools.fp8_yardstick import yardstick_us
+
+                    us, how = yardstick_us(M, shape.topk, shape.K, shape.N, qc.is_block, timer)
+                    yard = {"yardstick_us": us, "yardstick_scaling": how}
+                    log(f"  {shape_key:12s} {quant_key:10s} M={M:<6d} yardstick {_fmt(us, '.1f')} us ({how})")
                 for name in args.experts:
                     t0 = time.perf_counter()
                     row = run_cell(name, shape_key, shape, quant_key, qc, M, weights, sets, ceil, timer, args,
                                    tile_table)
+                    row.update(yard)
                     rows.append(row)
                     log(f"  {shape_key:12s} {quant_key:10s} M={M:<6d} {name:11s} eager {_fmt(row.get('eager_us'), '.1f')} us "
                         f"graph {_fmt(row.get('graph_us'), '.1f')} us floor {_fmt(row.get('floor_us'), '.1f')} us "
