@@ -91,6 +91,8 @@ class MoEConfig:
     max_num_tokens: int = 256
 
     def __post_init__(self) -> None:
+        if isinstance(self.activation, str):  # the activation's name is accepted as well as the enum
+            object.__setattr__(self, "activation", Activation.parse(self.activation))
         for name in ("num_experts", "topk", "hidden_dim", "intermediate_dim", "max_num_tokens"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
@@ -104,7 +106,8 @@ class MoEConfig:
         if not isinstance(self.parallel, ParallelConfig):
             raise TypeError(f"MoEConfig.parallel ({self.parallel!r}) must be a ParallelConfig")
         if not isinstance(self.activation, Activation):
-            raise TypeError(f"MoEConfig.activation ({self.activation!r}) must be one of {[a.value for a in Activation]}")
+            raise TypeError(f"MoEConfig.activation ({self.activation!r}) must be an Activation or one of the names "
+                            f"{[a.value for a in Activation]}")
         if self.num_experts % self.parallel.ep_size != 0:
             raise ValueError(
                 f"num_experts ({self.num_experts}) must be divisible by ep_size ({self.parallel.ep_size})"

@@ -79,11 +79,14 @@ class FusedMoE(torch.nn.Module):
                       if moe.parallel.use_ep else None)
         self.register_buffer("expert_map", expert_map, persistent=False)
         method.create_weights(self, device)
+        self.weights_loaded = False  # create_weights leaves the expert weights uninitialised
+
 
     def load_weights(self, w13_EN2K: torch.Tensor, w2_EKN: torch.Tensor, **scales) -> None:
         """This rank's expert weights in high precision, (El, 2N, K) and (El, K, N)."""
         self.method.load_weights(self, w13_EN2K, w2_EKN, **scales)
         self.method.kernel = None  # rebuilt with the new scales on the next forward
+        self.weights_loaded = True
 
     def route(self, hidden_TK: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Router logits -> (topk_weights (T, k) float32, topk_ids (T, k) int32 global ids)."""
@@ -97,6 +100,14 @@ class FusedMoE(torch.nn.Module):
 
     def forward(self, hidden_TK: torch.Tensor):
         """hidden_TK (T, K) moe.dtype -> (T, K), or (shared, routed) with shared experts."""
+        if not self.weights_loaded:
+            raise RuntimeError("FusedMoE.forward before load_weights: the expert weights are uninitialised memory; "
+                               "call layer.load_weights(w13, w2, ...) first")
+        moe = self.moe
+        if hidden_TK.dim() != 2 or hidden_TK.size(1) != moe.hidden_dim:
+            raise ValueError(f"hidden_TK shape {tuple(hidden_TK.shape)} must be (T, {moe.hidden_dim}) (hidden_dim)")
+        if hidden_TK.dtype != moe.dtype:
+            raise ValueError(f"hidden_TK dtype ({hidden_TK.dtype}) must be the layer's dtype ({moe.dtype})")
         if self.method.kernel is None:
             self.method.init_prepare_finalize(self, self.context, self.workspaces, self.shared_experts)
         topk_weights, topk_ids = self.route(hidden_TK)

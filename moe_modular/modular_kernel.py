@@ -10,6 +10,7 @@ from typing import Callable, Optional
 
 import torch
 
+from moe_modular.checks import check_expert_map, check_routing, check_routing_values
 from moe_modular.config import Activation
 from moe_modular.interfaces import (
     ActivationFormat,
@@ -33,6 +34,11 @@ class FusedMoEModularKernel(torch.nn.Module):
     workspaces: a WorkspaceCache to share scratch buffers across layers (a private one if None).
     chunk_size: Standard-format experts that support chunking see at most this many tokens per
       apply call; larger batches are processed in chunks into one output.
+    check_inputs: also check the routing ids' values (each in [0, global_num_experts)) on every forward. That
+      costs a device-to-host sync, so it is off by default (the forward stays CUDA-graph capturable) and on in
+      the tests and the CLIs. Without it a route whose id is outside [0, E) contributes nothing to its
+      token's output, in every experts class and PF; shapes, dtypes, devices and the weights against the
+      scheme are checked on every forward either way (moe_modular.checks).
     """
 
     def __init__(
@@ -42,6 +48,7 @@ class FusedMoEModularKernel(torch.nn.Module):
         shared_experts: Optional[Callable[[torch.Tensor], torch.Tensor]] = None,
         workspaces: Optional[WorkspaceCache] = None,
         chunk_size: int = DEFAULT_CHUNK_SIZE,
+        check_inputs: bool = False,
     ) -> None:
         super().__init__()
         pf_format = prepare_finalize.activation_format()
@@ -58,6 +65,7 @@ class FusedMoEModularKernel(torch.nn.Module):
         self.shared_experts = shared_experts
         self.workspaces = workspaces if workspaces is not None else WorkspaceCache()
         self.chunk_size = chunk_size
+        self.check_inputs = bool(check_inputs)
 
     # ------------------------------------------------------------------------------------
     def forward(
@@ -79,11 +87,14 @@ class FusedMoEModularKernel(torch.nn.Module):
         expert_map (E,) int32 global -> local or -1; output: optional (T, K) buffer to write
         (else hidden_states when inplace, else a new tensor). Returns the (T, K) output, or
         (shared_output, output) when shared experts are set."""
-        self._check_inputs(hidden_states, w1, w2, topk_weights, topk_ids, expert_map, apply_router_weight_on_input)
         pf, fe = self.prepare_finalize, self.fused_experts
         quant: MoEQuantParams = fe.quant
         if global_num_experts == -1:
             global_num_experts = w1.size(0) if expert_map is None else expert_map.numel()
+        self._check_inputs(hidden_states, w1, w2, topk_weights, topk_ids, expert_map, apply_router_weight_on_input,
+                           global_num_experts)
+        if self.check_inputs:
+            check_routing_values(topk_ids, global_num_experts)
         idx_dtype = pf.topk_indices_dtype()
         if idx_dtype is not None and topk_ids.dtype != idx_dtype:
             topk_ids = topk_ids.to(idx_dtype)
@@ -129,10 +140,16 @@ class FusedMoEModularKernel(torch.nn.Module):
                 and output.untyped_storage().data_ptr() != a1q.untyped_storage().data_ptr())
 
     # ------------------------------------------------------------------------------------
-    def _check_inputs(self, hidden_states, w1, w2, topk_weights, topk_ids, expert_map, apply_router_weight_on_input):
+    def _check_inputs(self, hidden_states, w1, w2, topk_weights, topk_ids, expert_map, apply_router_weight_on_input,
+                      global_num_experts):
+        """What costs no device sync: shapes, dtypes, devices and the weights against the scheme (routing id values
+        only with check_inputs, check_routing_values)."""
         if hidden_states.dim() != 2:
             raise ValueError(f"hidden_states must be 2-D (T, K), got shape {tuple(hidden_states.shape)}")
         T, K = hidden_states.shape
+        moe = self.fused_experts.moe
+        if hidden_states.dtype != moe.dtype:
+            raise ValueError(f"hidden_states dtype ({hidden_states.dtype}) must be the layer's dtype ({moe.dtype})")
         if w1.dim() != 3 or w2.dim() != 3:
             raise ValueError(f"w1 and w2 must be 3-D, got shapes {tuple(w1.shape)} and {tuple(w2.shape)}")
         if w1.size(2) != K or w2.size(1) != K:
@@ -147,6 +164,13 @@ class FusedMoEModularKernel(torch.nn.Module):
             raise ValueError(
                 f"topk_ids {tuple(topk_ids.shape)} and topk_weights {tuple(topk_weights.shape)} must both be ({T}, topk)"
             )
+        check_routing(topk_ids, topk_weights)
+        self.fused_experts.quant.check_weights(w1, w2, moe.dtype)
+        for name, t in (("w1", w1), ("topk_ids", topk_ids), ("topk_weights", topk_weights)):
+            if t.device != hidden_states.device:
+                raise ValueError(f"{name} is on {t.device}, hidden_states on {hidden_states.device}: one device")
+        if expert_map is not None:
+            check_expert_map(expert_map, global_num_experts, w1.size(0), hidden_states.device)
         if apply_router_weight_on_input and topk_ids.size(1) != 1:
             raise ValueError(
                 f"apply_router_weight_on_input needs topk == 1, got topk ({topk_ids.size(1)})"

@@ -97,9 +97,10 @@ class QuantConfig:
             )
         if self.weight is WeightQuant.BLOCK:
             bs = self.block_shape
-            if bs is None or len(bs) != 2 or any((not isinstance(b, int)) or b <= 0 for b in bs):
+            if (not isinstance(bs, tuple) or len(bs) != 2
+                    or any(not isinstance(b, int) or isinstance(b, bool) or b <= 0 for b in bs)):
                 raise ValueError(
-                    f"QuantConfig.block_shape ({bs!r}) must be two positive ints (Bn, Bk) for weight=block"
+                    f"QuantConfig.block_shape ({bs!r}) must be a tuple of two positive ints (Bn, Bk) for weight=block"
                 )
         elif self.block_shape is not None:
             raise ValueError(
@@ -220,6 +221,50 @@ class MoEQuantParams:
             raise ValueError(
                 f"MoEQuantParams.a1_scale/a2_scale are only for static per-tensor schemes, not {cfg.name}"
             )
+        for name in ("w1_scale", "w2_scale", "a1_scale", "a2_scale"):
+            scale = getattr(self, name)
+            if scale is not None and (not isinstance(scale, torch.Tensor) or scale.dtype != torch.float32):
+                raise ValueError(f"MoEQuantParams.{name} must be a float32 tensor, got "
+                                 f"{scale.dtype if isinstance(scale, torch.Tensor) else type(scale).__name__}")
+        for name in ("a1_scale", "a2_scale"):
+            scale = getattr(self, name)
+            if scale is None:
+                continue
+            if scale.numel() != 1:
+                raise ValueError(f"MoEQuantParams.{name} must hold one per-tensor scale, got shape {tuple(scale.shape)}")
+            # read once when the parameters are made (a load-time check, not in the forward)
+            value = float(scale.reshape(()).item())
+            if not (value > 0 and value < float("inf")):
+                raise ValueError(f"MoEQuantParams.{name} ({value}) must be a finite scale > 0 (it multiplies "
+                                 f"to dequantize: 0 gives zeros, a negative or NaN scale gives NaN)")
+
+    def check_weights(self, w1: torch.Tensor, w2: torch.Tensor, dtype: torch.dtype) -> None:
+        """w1 (El, 2N, K) and w2 (El, K, N) against the scheme (no device sync): fp8 e4m3 weights with scales of
+        the scheme's layout on the weights' device, or, unquantized, weights of the activation dtype `dtype`."""
+        cfg = self.config
+        want = FP8_DTYPE if cfg.is_quantized else dtype
+        for name, w in (("w1", w1), ("w2", w2)):
+            if w.dtype != want:
+                raise ValueError(f"{name} dtype ({w.dtype}) must be {want} for scheme {cfg.name}"
+                                 + ("" if cfg.is_quantized else " (the activation dtype)"))
+        if w1.device != w2.device:
+            raise ValueError(f"w1 ({w1.device}) and w2 ({w2.device}) must be on one device")
+        if not cfg.is_quantized:
+            return
+        for name, w, scale in (("w1", w1, self.w1_scale), ("w2", w2, self.w2_scale)):
+            E, No, Ko = w.shape
+            if cfg.weight is WeightQuant.PER_TENSOR:
+                want_shape = (E,)
+            elif cfg.weight is WeightQuant.PER_CHANNEL:
+                want_shape = (E, No, 1)
+            else:
+                bn, bk = cfg.block_shape
+                want_shape = (E, -(-No // bn), -(-Ko // bk))
+            if tuple(scale.shape) != want_shape:
+                raise ValueError(f"{name}_scale shape {tuple(scale.shape)} must be {want_shape} for {name} "
+                                 f"{tuple(w.shape)} under scheme {cfg.name}")
+            if scale.device != w.device:
+                raise ValueError(f"{name}_scale ({scale.device}) must be on {name}'s device ({w.device})")
 
 
 # ---- torch helpers ----------------------------------------------------------------

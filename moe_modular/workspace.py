@@ -11,13 +11,17 @@ from typing import Optional
 import torch
 
 _MAX_VIEWS = 4096
+# A buffer that must grow takes at least this factor of its old size (a slowly growing batch reallocates
+# O(log) times, not on every forward), rounded up to whole GROW_ALIGN elements.
+GROWTH = 1.5
+GROW_ALIGN = 256
 
 
 class WorkspaceCache:
     """Flat grow-only buffers keyed by (slot name, device, dtype).
 
     `get(name, shape, dtype, device)` returns a view of the right shape over a buffer that only
-    grows; a request no larger than the buffer allocates nothing. `num_allocations` counts the
+    grows, by at least GROWTH times when it must; a request no larger than the buffer allocates nothing. `num_allocations` counts the
     allocations made so far (tests use it to prove reuse).
     """
 
@@ -41,8 +45,10 @@ class WorkspaceCache:
             # Free the old buffer (and the views over it) before taking the larger one.
             self._buffers.pop(key, None)
             self._views = {r: v for r, v in self._views.items() if r[0] != name or r[2] != dtype}
+            size = max(numel, 1) if buf is None else max(numel, math.ceil(buf.numel() * GROWTH))
+            size = -(-size // GROW_ALIGN) * GROW_ALIGN if buf is not None else size
             del buf
-            buf = torch.empty(max(numel, 1), dtype=dtype, device=device)
+            buf = torch.empty(size, dtype=dtype, device=device)
             if self.poison is not None and (dtype.is_floating_point or dtype.is_complex):
                 buf.fill_(self.poison)
             self._buffers[key] = buf

@@ -221,7 +221,7 @@ def run_forward(case: Case, pgi, context: ParallelContext, seed: int):
                            None if q.w2_scale is None else q.w2_scale[held], q.a1_scale, q.a2_scale)
     fe = EXPERTS_BY_FORMAT[cls.activation_format()].for_prepare_finalize(moe, quant, pf)
     kernel = FusedMoEModularKernel(pf, fe, shared_experts=_shared_mlp if case.shared else None,
-                                   workspaces=WorkspaceCache(poison=float("nan")))
+                                   workspaces=WorkspaceCache(poison=float("nan")), check_inputs=True)
     x, tw, ti = prob.x[rows], prob.topk_weights[rows], prob.topk_ids[rows]
     out = torch.full_like(x, float("nan"))
     result = kernel(x, prob.w1[held], prob.w2[held], tw, ti, activation=Activation.SILU,

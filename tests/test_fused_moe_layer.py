@@ -99,6 +99,15 @@ def test_forced_experts_type_and_shared_workspaces():
     assert all(type(layer.method.kernel.fused_experts) is TorchExperts for layer in layers)
 
 
+def _loaded(layer: FusedMoE) -> FusedMoE:
+    """layer with seeded random expert weights loaded."""
+    moe = layer.moe
+    g = torch.Generator().manual_seed(0)
+    layer.load_weights(torch.randn(moe.num_local_experts, 2 * moe.intermediate_dim, moe.hidden_dim, generator=g),
+                       torch.randn(moe.num_local_experts, moe.hidden_dim, moe.intermediate_dim, generator=g))
+    return layer
+
+
 @pytest.mark.parametrize("build,text", [
     (lambda: UnquantizedFusedMoEMethod(MoEConfig(4, 2, 16, 8, quant=QuantConfig.fp8_per_token())),
      "needs moe.quant unquantized, got fp8-token"),
@@ -109,8 +118,8 @@ def test_forced_experts_type_and_shared_workspaces():
         torch.zeros(4, 16, 16), torch.zeros(4, 16, 8)), "takes scales ['a1_scale', 'a2_scale'], got []"),
     (lambda: RoutingConfig(num_expert_group=4), "must be set together"),
     (lambda: prepare_finalize_type("nccl_typo"), "all2all backend ('nccl_typo') has no PrepareAndFinalize; valid:"),
-    (lambda: FusedMoE(MoEConfig(4, 2, 16, 8), UnquantizedFusedMoEMethod(
-        MoEConfig(4, 2, 16, 8), experts_type=NaiveBatchedExperts))(torch.zeros(1, 16, dtype=torch.bfloat16)),
+    (lambda: _loaded(FusedMoE(MoEConfig(4, 2, 16, 8), UnquantizedFusedMoEMethod(
+        MoEConfig(4, 2, 16, 8), experts_type=NaiveBatchedExperts)))(torch.zeros(1, 16, dtype=torch.bfloat16)),
      "produces the standard activation format but NaiveBatchedExperts takes batched"),
 ])
 def test_layer_errors(build, text):

@@ -48,7 +48,7 @@ def _problem(T, E, K, N, topk, dtype=torch.float32, quant=QuantConfig(), seed=No
 def _kernel(moe, qp, batched=False, **kw):
     pf = BatchedPrepareAndFinalize.make(moe) if batched else MoEPrepareAndFinalizeNoEP.make(moe)
     fe = (NaiveBatchedExperts if batched else TorchExperts).for_prepare_finalize(moe, qp, pf)
-    return FusedMoEModularKernel(pf, fe, **kw)
+    return FusedMoEModularKernel(pf, fe, **{"check_inputs": True, **kw})
 
 
 # ---- TopKWeightAndReduce ------------------------------------------------------------------

@@ -91,7 +91,7 @@ BAD_CONFIGS = [
     (dict(quant_dtype=QuantDtype.FP8_E4M3, activation=ActivationQuant.PER_TOKEN, weight=WeightQuant.BLOCK,
           block_shape=(128, 128)), "is not a supported scheme"),
     (dict(quant_dtype=QuantDtype.FP8_E4M3, activation=ActivationQuant.GROUP, weight=WeightQuant.BLOCK),
-     "QuantConfig.block_shape (None) must be two positive ints"),
+     "QuantConfig.block_shape (None) must be a tuple of two positive ints"),
     (dict(block_shape=(128, 128)), "block_shape ((128, 128)) is only allowed with weight=block"),
     (dict(quant_dtype="fp8"), "QuantConfig.quant_dtype ('fp8') must be a QuantDtype"),
     (dict(quant_dtype=QuantDtype.FP8_E4M3, activation=ActivationQuant.PER_TOKEN,

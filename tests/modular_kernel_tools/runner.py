@@ -129,7 +129,8 @@ def run_case(cfg: Config, M: int, topk: int, rank: int = 0, context=None, seed: 
 
     pf = cfg.prepare_finalize_type.make(moe, context)
     fe = cfg.fused_experts_type.for_prepare_finalize(moe, quant, pf)
-    kernel = FusedMoEModularKernel(pf, fe, workspaces=workspaces or WorkspaceCache(poison=float("nan")))
+    kernel = FusedMoEModularKernel(pf, fe, workspaces=workspaces or WorkspaceCache(poison=float("nan")),
+                                   check_inputs=True)
     out = torch.full_like(x, float("nan"))
 
     def forward() -> None:
