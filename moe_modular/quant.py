@@ -143,12 +143,16 @@ class QuantConfig:
         """Build a config from vLLM-style command-line flags."""
         allowed = [q.value for q in QuantDtype]
         if quant_dtype in (None, "none"):
-            if per_token_quantized_activations or per_channel_quantized_weights or block_shape:
+            if per_token_quantized_activations or per_channel_quantized_weights or block_shape or static_activation_scale:
                 raise ValueError(
                     "--quant-dtype (none) does not take --per-token-quantized-activations, "
-                    "--per-channel-quantized-weights or --block-shape; pass --quant-dtype fp8"
+                    "--per-channel-quantized-weights, --block-shape or --static-activation-scale; pass --quant-dtype fp8"
                 )
             return cls()
+        if static_activation_scale and (per_token_quantized_activations or per_channel_quantized_weights
+                                        or block_shape is not None):
+            raise ValueError("--static-activation-scale is for fp8 per-tensor scales; it cannot be combined with "
+                             "--per-token-quantized-activations, --per-channel-quantized-weights or --block-shape")
         if quant_dtype not in allowed:
             raise ValueError(f"--quant-dtype ({quant_dtype!r}) must be one of {allowed}")
         if block_shape is not None:
@@ -279,7 +283,17 @@ def scale_from_amax(amax: torch.Tensor) -> torch.Tensor:
 
 
 def _cast_fp8(x_scaled: torch.Tensor) -> torch.Tensor:
-    return x_scaled.clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+    """Saturated to +-448; an element that is not finite becomes NaN (so a non-finite input poisons its own
+    row or group only, on every device: the kernels do the same)."""
+    q = x_scaled.clamp(-FP8_MAX, FP8_MAX)
+    return torch.where(torch.isfinite(x_scaled), q, torch.full_like(q, float("nan"))).to(FP8_DTYPE)
+
+
+def finite_amax(x: torch.Tensor, dim=None, keepdim: bool = False) -> torch.Tensor:
+    """max |x| over the finite elements (0 where there are none): a scale never comes from a NaN or Inf, so one
+    non-finite element cannot change the quantization of the others sharing its scale."""
+    a = torch.where(torch.isfinite(x), x.abs(), torch.zeros((), dtype=x.dtype, device=x.device))
+    return a.amax() if dim is None else a.amax(dim=dim, keepdim=keepdim)
 
 
 def quantize_activations(
@@ -310,13 +324,13 @@ def quantize_activations(
         if static:
             scale = static_scale.float().reshape(1)
         else:
-            scale = scale_from_amax(xf.abs().amax().reshape(1)) if xf.numel() else torch.ones(
+            scale = scale_from_amax(finite_amax(xf).reshape(1)) if xf.numel() else torch.ones(
                 1, dtype=torch.float32, device=x_TK.device)
         return _cast_fp8(xf / scale), scale
     if config.activation is ActivationQuant.PER_TOKEN:
         if xf.shape[0] == 0:
             return xf.to(FP8_DTYPE), torch.ones((0, 1), dtype=torch.float32, device=x_TK.device)
-        scale = scale_from_amax(xf.abs().amax(dim=-1, keepdim=True))
+        scale = scale_from_amax(finite_amax(xf, dim=-1, keepdim=True))
         return _cast_fp8(xf / scale), scale
     # GROUP: 1 x Bk groups along K; the last group may be partial.
     bk = config.group_size
@@ -325,7 +339,7 @@ def quantize_activations(
     padded = torch.zeros((T, G * bk), dtype=torch.float32, device=x_TK.device)
     padded[:, :K] = xf
     groups = padded.view(T, G, bk)
-    scale = scale_from_amax(groups.abs().amax(dim=-1)) if T else torch.ones(
+    scale = scale_from_amax(finite_amax(groups, dim=-1)) if T else torch.ones(
         (0, G), dtype=torch.float32, device=x_TK.device)
     xq = _cast_fp8(groups / scale.unsqueeze(-1)).view(T, G * bk)[:, :K].contiguous()
     return xq, scale

@@ -16,6 +16,7 @@ import torch
 from moe_modular.config import Activation
 from moe_modular.kernels.act_and_mul import act_and_mul_torch
 from moe_modular.quant import MoEQuantParams, dequantize_weights, fake_quantize_activations
+from moe_modular.routing import local_route_ids
 
 
 def moe_torch(
@@ -34,7 +35,7 @@ def moe_torch(
     hidden_TK (T, K) float; w1_EN2K (E, 2N, K), w2_EKN (E, K, N) float or fp8 (scales in `quant`);
     topk_weights_Tk (T, k) float; topk_ids_Tk (T, k) int global expert ids;
     expert_map (E_global,) int: global id -> index into w1/w2, -1 for experts not held (their
-    routes contribute zero). Returns (T, K) float32.
+    routes contribute zero); an id out of range contributes zero too. Returns (T, K) float32.
     """
     quant = quant or MoEQuantParams()
     T, K = hidden_TK.shape
@@ -48,9 +49,7 @@ def moe_torch(
     w1 = dequantize_weights(w1_EN2K, quant.w1_scale, quant.config)
     w2 = dequantize_weights(w2_EKN, quant.w2_scale, quant.config)
 
-    ids = topk_ids_Tk.long()
-    if expert_map is not None:
-        ids = expert_map.long().to(ids.device)[ids]
+    ids = local_route_ids(topk_ids_Tk, expert_map, w1.size(0))
     out = torch.zeros((T, K), dtype=torch.float32, device=hidden_TK.device)
     flat_ids = ids.reshape(-1)
     flat_tok = torch.arange(T, device=a.device).repeat_interleave(topk)

@@ -249,3 +249,17 @@ def make_expert_map(
     expert_map_E = torch.full((num_experts,), -1, dtype=torch.int32)
     expert_map_E[held_El] = torch.arange(held_El.numel(), dtype=torch.int32)
     return expert_map_E.to(device)
+
+
+def local_route_ids(topk_ids: torch.Tensor, expert_map: Optional[torch.Tensor], num_local_experts: int) -> torch.Tensor:
+    """Routing ids -> local expert ids (int64), -1 for a route not computed here: global ids through expert_map (E,)
+    (-1 entries: held elsewhere), or local ids when expert_map is None. Any id outside the map, or a local id
+    outside [0, num_local_experts), is -1 too: such a route contributes nothing (the documented behaviour of every
+    experts class for ids out of range; FusedMoEModularKernel(check_inputs=True) refuses them instead)."""
+    ids = topk_ids.long()
+    if expert_map is not None:
+        E = expert_map.numel()
+        inside = (ids >= 0) & (ids < E)
+        ids = torch.where(inside, expert_map.to(ids.device).long()[ids.clamp(0, max(E - 1, 0))],
+                          torch.full_like(ids, -1))
+    return torch.where((ids >= 0) & (ids < num_local_experts), ids, torch.full_like(ids, -1))

@@ -208,6 +208,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             return 2
     runnable = [c for c, ok, _ in cells if ok]
     skipped = [(c, r) for c, ok, r in cells if not ok]
+    if not runnable:  # nothing was checked: not a pass
+        for c, reason in skipped:
+            print(f"unsupported: {c.describe()}: {reason}", file=sys.stderr)
+        print(f"0 passed, 0 failed, {len(skipped)} skipped: no cell of the request can run here", file=sys.stderr)
+        return 2
     rows = []
     bar = None if req.explicit_pair else ProgressBar(len(runnable), "matrix")
 

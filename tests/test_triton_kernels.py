@@ -800,14 +800,15 @@ FP8_WS_TILE = GemmTile(128, 128, 128, 8, 8, 3, ws=1)
 def test_moe_gemm_ws_fp8_compiles_for_hopper(fused, gather, scales):
     # No interpreter runs Gluon: compile for sm_90a (no GPU needed) and check what it became: 4 wgmma per
     # 64 x 128 x 128 step and consumer (twice fused), cp.async only when gathering, shared memory within
-    # Hopper's 227 KiB, at most two spilled words (the prologue's), every named barrier within one warpgroup
+    # Hopper's 227 KiB, at most four spilled words (the prologue's and one per tile, none in the K loop: the fused
+    # consumer holds three 64 x 128 float32 tiles in its 224 registers), every named barrier within one warpgroup
     # (the two consumers meet only at mbarriers), and consumers raised to at least 224 registers.
     got = _sm90_compile_check("wsfp8", int(fused), int(gather), scales)
     assert got["wgmma"] == (16 if fused else 8), got
     assert got["cp_async_arrive"] == gather
     assert got["shared"] <= 227 * 1024
     if got["stack_bytes"] is not None:
-        assert got["stack_bytes"] <= 8, got
+        assert got["stack_bytes"] <= 16, got
     assert got["barrier_threads"] and max(got["barrier_threads"]) <= 128, got
     assert max(r for r in got["max_regs"] if r < 256) >= 224, got
 

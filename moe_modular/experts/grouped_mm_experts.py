@@ -29,6 +29,7 @@ from moe_modular.config import Activation, MoEConfig, dtype_name
 from moe_modular.interfaces import ActivationFormat, ExpertTokensMetadata, FusedMoEExpertsModular
 from moe_modular.kernels.act_and_mul import act_and_mul_torch
 from moe_modular.quant import ActivationQuant, QuantConfig, QuantDtype, WeightQuant, quantize_activations
+from moe_modular.routing import local_route_ids
 from moe_modular.weight_and_reduce import TopKWeightAndReduceNoOp
 
 # Every row handed to the grouped GEMMs (A rows, the K-major weight columns, the outputs) must
@@ -143,9 +144,7 @@ class GroupedMMExperts(FusedMoEExpertsModular):
         fp8 = self.quant.config.is_quantized
 
         # 1. the local expert of each route; not held -> the last group (zero weight below).
-        ids_R = topk_ids.reshape(-1).long()
-        if expert_map is not None:
-            ids_R = expert_map.to(dev).long()[ids_R]
+        ids_R = local_route_ids(topk_ids.reshape(-1), expert_map, El)  # out of range: -1, not held
         held_R = (ids_R >= 0) & (ids_R < El)
         key_R = torch.where(held_R, ids_R, El - 1)
         key_sorted_R, order_R = torch.sort(key_R, stable=True)

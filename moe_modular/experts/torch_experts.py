@@ -10,6 +10,7 @@ from moe_modular.config import MoEConfig
 from moe_modular.experts.common import expert_mlp_torch
 from moe_modular.interfaces import ActivationFormat, FusedMoEExpertsModular
 from moe_modular.quant import dequantize_activations
+from moe_modular.routing import local_route_ids
 from moe_modular.weight_and_reduce import TopKWeightAndReduceContiguous
 
 
@@ -43,13 +44,11 @@ class TorchExperts(FusedMoEExpertsModular):
               expert_map, a1q_scale, a2_scale, workspace13, workspace2, expert_tokens_meta,
               apply_router_weight_on_input) -> None:
         """output (T, k, K); hidden_states (T, K) fp8 or activation dtype; topk_ids (T, k) global ids
-        (mapped through expert_map) or local ids with -1 when expert_map is None."""
+        (mapped through expert_map) or local ids with -1 when expert_map is None; a route whose id is out of
+        range is not computed (its row stays zero)."""
         T, k = topk_ids.shape
         x = dequantize_activations(hidden_states, a1q_scale, self.quant.config)
-        ids = topk_ids.long()
-        if expert_map is not None:
-            ids = expert_map.to(ids.device).long()[ids]
-        flat = ids.reshape(-1)
+        flat = local_route_ids(topk_ids, expert_map, w1.size(0)).reshape(-1)
         out = output.view(T * k, -1)
         out.zero_()
         tok_of_route = torch.arange(T, device=x.device).repeat_interleave(k)

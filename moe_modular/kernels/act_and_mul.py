@@ -121,16 +121,25 @@ def _scale_of(amax):
 
 
 @triton.jit
+def _finite_abs(h):
+    """|h| where h is finite, else 0: the amax of a scale is over the finite elements (quant.finite_amax)."""
+    a = tl.abs(h)
+    return tl.where(a < float("inf"), a, 0.0)
+
+
+@triton.jit
 def _to_fp8(h, scale, out_dtype: tl.constexpr):
-    # Correctly rounded division (what torch computes), so fp8 rounding matches the oracle's.
+    # Correctly rounded division (what torch computes), so fp8 rounding matches the oracle's; saturated; an element
+    # that is not finite becomes NaN (the GPU's min / max would turn NaN into a finite bound).
     q = tl.math.div_rn(h, tl.zeros_like(h) + scale)
-    return tl.minimum(tl.maximum(q, -_FP8_MAX), _FP8_MAX).to(out_dtype)
+    q = tl.minimum(tl.maximum(q, -_FP8_MAX), _FP8_MAX)
+    return tl.where(tl.abs(h) < float("inf"), q, float("nan")).to(out_dtype)
 
 
 @triton.jit
 def _act_and_mul_kernel(
     x_ptr, out_ptr, scale_ptr, amax_ptr, topk_ids_ptr, expert_map_ptr, expert_num_tokens_ptr,
-    num_rows, N, slots, num_local_experts, cols,
+    num_rows, N, slots, num_local_experts, num_map_entries, cols,
     stride_xm, stride_xn, stride_om, stride_on, stride_sm, stride_sn,
     ACTIVATION: tl.constexpr, ROW_MODE: tl.constexpr, HAS_MAP: tl.constexpr, QUANT: tl.constexpr,
     BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -143,7 +152,7 @@ def _act_and_mul_kernel(
     rows = pid * BLOCK_R + tl.arange(0, BLOCK_R)
     if ROW_MODE == _ROWS_ROUTES:
         expert, valid = _local_expert_of_route(topk_ids_ptr, expert_map_ptr, rows, num_rows, num_local_experts,
-                                               HAS_MAP)
+                                               num_map_entries, HAS_MAP)
     elif ROW_MODE == _ROWS_BATCHED:
         in_range = rows < num_rows
         expert = tl.where(in_range, rows // slots, 0)
@@ -162,7 +171,7 @@ def _act_and_mul_kernel(
             offs_n = n0 + tl.arange(0, BLOCK_N)
             m = valid[:, None] & (offs_n[None, :] < N)
             h = _act_tile(x_rows, offs_n, m, N, stride_xn, ACTIVATION)
-            amax = tl.maximum(amax, tl.max(tl.where(m, tl.abs(h), 0.0), axis=1))
+            amax = tl.maximum(amax, tl.max(tl.where(m, _finite_abs(h), 0.0), axis=1))
         if QUANT == _Q_AMAX:
             tl.atomic_max(amax_ptr + expert, amax, mask=valid)
             return
@@ -187,7 +196,7 @@ def _act_and_mul_kernel(
         elif QUANT == _Q_TOKEN:
             y = _to_fp8(h, row_scale[:, None], out_ptr.dtype.element_ty)
         else:  # _Q_GROUP: BLOCK_N is the group size
-            group_scale = _scale_of(tl.max(tl.where(m, tl.abs(h), 0.0), axis=1))
+            group_scale = _scale_of(tl.max(tl.where(m, _finite_abs(h), 0.0), axis=1))
             tl.store(scale_ptr + rows64 * stride_sm + (n0 // BLOCK_N) * stride_sn, group_scale, mask=valid)
             y = _to_fp8(h, group_scale[:, None], out_ptr.dtype.element_ty)
         tl.store(o_rows + offs_n[None, :] * stride_on, y, mask=m)
@@ -281,7 +290,8 @@ def act_and_mul(
                   BLOCK_R=block_rows, BLOCK_N=block_n, num_warps=4)
     ptrs = (topk_ids_Tk if topk_ids_Tk is not None else dummy, expert_map_E if expert_map_E is not None else dummy,
             expert_num_tokens_El if expert_num_tokens_El is not None else dummy)
-    sizes = (R, N, slots, num_local_experts, cols, x_RN2.stride(0), x_RN2.stride(1), out_RN.stride(0), out_RN.stride(1),
+    sizes = (R, N, slots, num_local_experts, expert_map_E.numel() if expert_map_E is not None else 0, cols,
+             x_RN2.stride(0), x_RN2.stride(1), out_RN.stride(0), out_RN.stride(1),
              *ss)
     if quant is IntermediateQuant.TENSOR_DYNAMIC:
         if amax_El is None:

@@ -30,6 +30,7 @@ import triton.language as tl
 
 from moe_modular.kernels.host import cdiv, next_pow2
 from moe_modular.kernels.launcher import launch
+from moe_modular.routing import local_route_ids
 
 # Routes per placing program (the in-chunk rank is a BLOCK x BLOCK compare).
 ALIGN_BLOCK = 128
@@ -80,25 +81,26 @@ def num_count_chunks(num_routes: int) -> int:
 
 
 @triton.jit
-def _local_expert_of_route(topk_ids_ptr, expert_map_ptr, offs, num_routes, num_local_experts,
+def _local_expert_of_route(topk_ids_ptr, expert_map_ptr, offs, num_routes, num_local_experts, num_map_entries,
                            HAS_MAP: tl.constexpr):
-    """Local expert of routes `offs` and whether it is held here (in [0, El))."""
+    """Local expert of routes `offs` and whether it is held here (in [0, El)). With a map, an id outside
+    [0, num_map_entries) is not held (the map is never read out of bounds)."""
     in_range = offs < num_routes
     ids = tl.load(topk_ids_ptr + offs, mask=in_range, other=-1).to(tl.int32)
     if HAS_MAP:
-        ids = tl.load(expert_map_ptr + ids, mask=in_range & (ids >= 0), other=-1).to(tl.int32)
+        ids = tl.load(expert_map_ptr + ids, mask=in_range & (ids >= 0) & (ids < num_map_entries), other=-1).to(tl.int32)
     valid = in_range & (ids >= 0) & (ids < num_local_experts)
     return tl.where(valid, ids, 0), valid
 
 
 @triton.jit
-def _align_count_kernel(topk_ids_ptr, expert_map_ptr, counts_ptr, num_routes, num_local_experts,
+def _align_count_kernel(topk_ids_ptr, expert_map_ptr, counts_ptr, num_routes, num_local_experts, num_map_entries,
                         HAS_MAP: tl.constexpr, NUM_BINS: tl.constexpr, BLOCK: tl.constexpr):
     """counts_CEb[c, e] = routes of count chunk c (BLOCK routes) whose local expert is e."""
     pid = tl.program_id(0)
     offs = pid * BLOCK + tl.arange(0, BLOCK)
     expert, valid = _local_expert_of_route(topk_ids_ptr, expert_map_ptr, offs, num_routes, num_local_experts,
-                                           HAS_MAP)
+                                           num_map_entries, HAS_MAP)
     hist = tl.histogram(expert, NUM_BINS, mask=valid)
     tl.store(counts_ptr + pid * NUM_BINS + tl.arange(0, NUM_BINS), hist.to(tl.int32))
 
@@ -144,7 +146,7 @@ def _rank_in_block(expert, valid, BLOCK: tl.constexpr):
 
 @triton.jit
 def _place(count, before, topk_ids_ptr, expert_map_ptr, sorted_ids_ptr, block_expert_ptr, num_post_padded_ptr,
-           first_route, num_routes, num_local_experts, num_blocks, WRITE_LAYOUT,
+           first_route, num_routes, num_local_experts, num_map_entries, num_blocks, WRITE_LAYOUT,
            HAS_MAP: tl.constexpr, NUM_BINS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK: tl.constexpr,
            RUN: tl.constexpr, FILL: tl.constexpr):
     """Place routes [first_route, first_route + BLOCK) at start[e] + before[e] + (rank among this chunk's routes
@@ -156,28 +158,30 @@ def _place(count, before, topk_ids_ptr, expert_map_ptr, sorted_ids_ptr, block_ex
                       num_blocks, NUM_BINS, BLOCK_M, RUN, FILL)
     offs = first_route + tl.arange(0, BLOCK)
     expert, valid = _local_expert_of_route(topk_ids_ptr, expert_map_ptr, offs, num_routes, num_local_experts,
-                                           HAS_MAP)
+                                           num_map_entries, HAS_MAP)
     slot = tl.gather(start + before, expert, 0) + _rank_in_block(expert, valid, BLOCK)
     tl.store(sorted_ids_ptr + slot, offs, mask=valid)
 
 
 @triton.jit
 def _align_small_kernel(topk_ids_ptr, expert_map_ptr, sorted_ids_ptr, block_expert_ptr, num_post_padded_ptr,
-                        num_routes, num_local_experts, num_blocks,
+                        num_routes, num_local_experts, num_map_entries, num_blocks,
                         HAS_MAP: tl.constexpr, NUM_BINS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK: tl.constexpr,
                         RUN: tl.constexpr, FILL: tl.constexpr):
     """All of the alignment in one program when every route fits in one BLOCK (decode batches)."""
     expert, valid = _local_expert_of_route(topk_ids_ptr, expert_map_ptr, tl.arange(0, BLOCK), num_routes,
-                                           num_local_experts, HAS_MAP)
+                                           num_local_experts, num_map_entries, HAS_MAP)
     count = tl.histogram(expert, NUM_BINS, mask=valid).to(tl.int32)
     _place(count, tl.zeros((NUM_BINS,), dtype=tl.int32), topk_ids_ptr, expert_map_ptr, sorted_ids_ptr,
-           block_expert_ptr, num_post_padded_ptr, 0, num_routes, num_local_experts, num_blocks, True, HAS_MAP,
+           block_expert_ptr, num_post_padded_ptr, 0, num_routes, num_local_experts, num_map_entries, num_blocks, True,
+           HAS_MAP,
            NUM_BINS, BLOCK_M, BLOCK, RUN, FILL)
 
 
 @triton.jit
 def _align_place_kernel(topk_ids_ptr, expert_map_ptr, counts_ptr, sorted_ids_ptr, block_expert_ptr,
-                        num_post_padded_ptr, num_routes, num_local_experts, num_blocks, num_count_chunks,
+                        num_post_padded_ptr, num_routes, num_local_experts, num_map_entries, num_blocks,
+                        num_count_chunks,
                         HAS_MAP: tl.constexpr, NUM_BINS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK: tl.constexpr,
                         COUNT_GROUP: tl.constexpr, ROWS: tl.constexpr, RUN: tl.constexpr, FILL: tl.constexpr):
     """Program p sums the count chunks' histograms (ROWS at a time): all of them give each expert's count,
@@ -196,10 +200,10 @@ def _align_place_kernel(topk_ids_ptr, expert_map_ptr, counts_ptr, sorted_ids_ptr
         before += tl.sum(tl.where(rows[:, None] < group, tile, 0), axis=0)
     for q in range(group * COUNT_GROUP, pid):
         e_q, v_q = _local_expert_of_route(topk_ids_ptr, expert_map_ptr, q * BLOCK + tl.arange(0, BLOCK), num_routes,
-                                          num_local_experts, HAS_MAP)
+                                          num_local_experts, num_map_entries, HAS_MAP)
         before += tl.histogram(e_q, NUM_BINS, mask=v_q).to(tl.int32)
     _place(count, before, topk_ids_ptr, expert_map_ptr, sorted_ids_ptr, block_expert_ptr, num_post_padded_ptr,
-           pid * BLOCK, num_routes, num_local_experts, num_blocks, pid == 0, HAS_MAP, NUM_BINS, BLOCK_M, BLOCK, RUN,
+           pid * BLOCK, num_routes, num_local_experts, num_map_entries, num_blocks, pid == 0, HAS_MAP, NUM_BINS, BLOCK_M, BLOCK, RUN,
            FILL)
 
 
@@ -249,19 +253,20 @@ def moe_align(
         return sorted_ids, block_expert, num_post_padded
     has_map = expert_map_E is not None
     emap = expert_map_E if has_map else ids  # a placeholder pointer when there is no map
+    E = expert_map_E.numel() if has_map else 0
     P, Eb = num_chunks(R), num_bins(El)
     blocks = next_pow2(sizes["block_expert"])  # no expert's run of blocks, nor the -1 tail, is longer
     layout = dict(HAS_MAP=has_map, NUM_BINS=Eb, BLOCK_M=block_m, RUN=max(1, min(LAYOUT_TILE // Eb, blocks)),
                   FILL=min(FILL_BLOCK, blocks))
     if P == 1:  # one launch for decode-sized batches
-        launch(_align_small_kernel, (1,), ids, emap, sorted_ids, block_expert, num_post_padded, R, El,
+        launch(_align_small_kernel, (1,), ids, emap, sorted_ids, block_expert, num_post_padded, R, El, E,
                sizes["block_expert"], BLOCK=max(16, next_pow2(R)), **layout)
         return sorted_ids, block_expert, num_post_padded
     C, G = num_count_chunks(R), count_group(R)
     counts = buffers["counts"][: C * Eb]
-    launch(_align_count_kernel, (C,), ids, emap, counts, R, El, HAS_MAP=has_map, NUM_BINS=Eb, BLOCK=ALIGN_BLOCK * G)
+    launch(_align_count_kernel, (C,), ids, emap, counts, R, El, E, HAS_MAP=has_map, NUM_BINS=Eb, BLOCK=ALIGN_BLOCK * G)
     rows = max(1, min(next_pow2(C), LAYOUT_TILE // Eb))
-    launch(_align_place_kernel, (P,), ids, emap, counts, sorted_ids, block_expert, num_post_padded, R, El,
+    launch(_align_place_kernel, (P,), ids, emap, counts, sorted_ids, block_expert, num_post_padded, R, El, E,
            sizes["block_expert"], C, BLOCK=ALIGN_BLOCK, COUNT_GROUP=G, ROWS=rows, **layout)
     return sorted_ids, block_expert, num_post_padded
 
@@ -275,8 +280,7 @@ def moe_align_torch(
     """Oracle: (sorted_ids, block_expert, num_post_padded) with only the meaningful entries."""
     ids = topk_ids_Tk.reshape(-1).long()
     R = ids.numel()
-    if expert_map_E is not None:
-        ids = torch.where(ids >= 0, expert_map_E.long()[ids.clamp(min=0)], torch.full_like(ids, -1))
+    ids = local_route_ids(ids, expert_map_E, num_local_experts)
     sorted_ids, block_expert = [], []
     for e in range(num_local_experts):
         routes = (ids == e).nonzero().squeeze(1).tolist()

@@ -33,7 +33,14 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from moe_modular.config import Activation
-from moe_modular.kernels.act_and_mul import _ACT_CODE, GEMM_FUSABLE_ACTIVATIONS, _scale_of, _to_fp8, gated_act
+from moe_modular.kernels.act_and_mul import (
+    _ACT_CODE,
+    GEMM_FUSABLE_ACTIVATIONS,
+    _finite_abs,
+    _scale_of,
+    _to_fp8,
+    gated_act,
+)
 from moe_modular.kernels.host import cdiv, gpu_has_tma, pdl_launch
 from moe_modular.kernels.launcher import launch
 from moe_modular.kernels.moe_align import _local_expert_of_route
@@ -99,7 +106,7 @@ class GemmTile:
 def _moe_gemm_kernel(
     a_ptr, b_ptr, c_ptr, a_scale_ptr, b_scale_ptr, topk_weights_ptr,
     sorted_ids_ptr, block_expert_ptr, num_post_padded_ptr, expert_num_tokens_ptr, expert_map_ptr,
-    num_routes, slots, N, K, topk, num_local_experts,
+    num_routes, slots, N, K, topk, num_local_experts, num_map_entries,
     stride_ae, stride_am, stride_ak,
     stride_be, stride_bn, stride_bk,
     stride_ce, stride_cm, stride_cn,
@@ -148,7 +155,7 @@ def _moe_gemm_kernel(
         else:
             if PER_ROUTE:  # block pid_m is route pid_m alone; block_expert_ptr holds the (T * k) topk ids
                 expert, held = _local_expert_of_route(block_expert_ptr, expert_map_ptr, pid_m, num_routes,
-                                                      num_local_experts, HAS_MAP)
+                                                      num_local_experts, num_map_entries, HAS_MAP)
                 if not held:
                     return
             else:
@@ -292,7 +299,7 @@ def _gemm_tile(
     if OUT_GROUP > 0:  # fp8 with one scale per row and OUT_GROUP columns (BLOCK_N holds whole groups)
         NG: tl.constexpr = BLOCK_N // OUT_GROUP
         h = tl.reshape(tl.where(n_mask[None, :], acc, 0.0), (BLOCK_M, NG, OUT_GROUP))
-        g_scale = _scale_of(tl.max(tl.abs(h), axis=2))
+        g_scale = _scale_of(tl.max(_finite_abs(h), axis=2))
         acc = tl.reshape(_to_fp8(h, g_scale[:, :, None], c_ptr.dtype.element_ty), (BLOCK_M, BLOCK_N))
         offs_g = pid_n * NG + tl.arange(0, NG)
         tl.store(c_scale_ptr + out_row[:, None] * stride_csm + offs_g[None, :] * stride_csn, g_scale,
@@ -591,7 +598,7 @@ def moe_gemm(
         num_post_padded if num_post_padded is not None else dummy,
         expert_num_tokens_El if expert_num_tokens_El is not None else dummy,
         expert_map_E if expert_map_E is not None else dummy,
-        num_routes, slots, No, Ko, topk, El,
+        num_routes, slots, No, Ko, topk, El, expert_map_E.numel() if expert_map_E is not None else 0,
         sa_e, sa_m, sa_k,
         *b_ENK.stride(),
         sc_e, sc_m, sc_n,

@@ -82,9 +82,17 @@ def _ws_scale_of(amax):
 
 @gluon.jit
 def _ws_to_fp8(h, scale, out_dtype: gl.constexpr):
-    """h / scale rounded to fp8 as act_and_mul._to_fp8: a correctly rounded division, saturated."""
+    """h / scale rounded to fp8 as act_and_mul._to_fp8: a correctly rounded division, saturated; not finite: NaN."""
     q = gl.div_rn(h, gl.zeros_like(h) + scale)
-    return gl.minimum(gl.maximum(q, -_FP8_MAX), _FP8_MAX).to(out_dtype)
+    q = gl.minimum(gl.maximum(q, -_FP8_MAX), _FP8_MAX)
+    return gl.where(gl.abs(h) < float("inf"), q, float("nan")).to(out_dtype)
+
+
+@gluon.jit
+def _ws_finite_abs(h):
+    """|h| where finite, else 0 (act_and_mul._finite_abs)."""
+    a = gl.abs(h)
+    return gl.where(a < float("inf"), a, 0.0)
 
 
 @gluon.constexpr_function
@@ -244,7 +252,7 @@ def _fp8_consumer(a_bufs, b_bufs, ready, empty, c_ptr, c_scale_ptr, a_scale_ptr,
         else:
             out_row = sid.to(gl.int64)
         if OUT_GROUP > 0:  # one scale per row: the tile's BLOCK_N columns are one group
-            g_scale = _ws_scale_of(gl.max(gl.abs(acc), axis=1))
+            g_scale = _ws_scale_of(gl.max(_ws_finite_abs(acc), axis=1))
             acc = _ws_to_fp8(acc, g_scale[:, None], c_ptr.dtype.element_ty)
             gl.store(c_scale_ptr + out_row * stride_csm + pid_n, g_scale, mask=row_ok)
         if MUL_WEIGHT:

@@ -15,6 +15,7 @@ from triton.language.extra.cuda import gdc_wait
 
 from moe_modular.kernels.host import cdiv, next_pow2, pdl_launch
 from moe_modular.kernels.launcher import launch
+from moe_modular.routing import local_route_ids
 
 # Programs a launch aims for on a GPU: small batches are split into blocks of down to MIN_BLOCK elements
 # so that enough loads are in flight (a handful of programs looping over the routes is latency-bound).
@@ -24,7 +25,7 @@ MAX_BLOCK = 4096
 
 
 @triton.jit
-def _moe_sum_kernel(y_ptr, out_ptr, topk_ids_ptr, expert_map_ptr, T, K, num_local_experts,
+def _moe_sum_kernel(y_ptr, out_ptr, topk_ids_ptr, expert_map_ptr, T, K, num_local_experts, num_map_entries,
                     stride_ym, stride_yk, stride_om, stride_ok, stride_it, stride_ik,
                     HAS_MAP: tl.constexpr, TOPK: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr,
                     PDL: tl.constexpr):
@@ -39,7 +40,8 @@ def _moe_sum_kernel(y_ptr, out_ptr, topk_ids_ptr, expert_map_ptr, T, K, num_loca
     for j in tl.static_range(TOPK):  # unrolled: the k route loads are independent and overlap
         ids = tl.load(topk_ids_ptr + t64 * stride_it + j * stride_ik, mask=t_mask, other=-1).to(tl.int32)
         if HAS_MAP:
-            ids = tl.load(expert_map_ptr + ids, mask=t_mask & (ids >= 0), other=-1).to(tl.int32)
+            ids = tl.load(expert_map_ptr + ids, mask=t_mask & (ids >= 0) & (ids < num_map_entries),
+                          other=-1).to(tl.int32)
         held = t_mask & (ids >= 0) & (ids < num_local_experts)
         m = held[:, None] & k_mask[None, :]
         y = tl.load(y_ptr + (t64 * TOPK + j)[:, None] * stride_ym + offs_k[None, :] * stride_yk, mask=m, other=0.0)
@@ -58,7 +60,8 @@ def moe_sum(
 ) -> torch.Tensor:
     """Sum y_RK (R, K) route rows into out_TK (T, K) (any float dtypes; float32 accumulation).
 
-    topk_ids_Tk (T, k) int: local ids, or global ids with expert_map_E (E,) int32 (-1 not held).
+    topk_ids_Tk (T, k) int: local ids, or global ids with expert_map_E (E,) int32 (-1 not held; an id outside
+    [0, E) is not held either).
     pdl (a GPU of compute capability >= 9; ignored elsewhere): launched as a programmatic dependent of the
     kernel before it, whose end its programs wait for before they read anything.
     """
@@ -73,7 +76,7 @@ def moe_sum(
     has_map = expert_map_E is not None
     dependent = pdl_launch(pdl, out_TK.device)
     launch(_moe_sum_kernel, grid, y_RK, out_TK, topk_ids_Tk, expert_map_E if has_map else topk_ids_Tk, T, K,
-           num_local_experts, *y_RK.stride(), *out_TK.stride(), *topk_ids_Tk.stride(),
+           num_local_experts, expert_map_E.numel() if has_map else 0, *y_RK.stride(), *out_TK.stride(), *topk_ids_Tk.stride(),
            HAS_MAP=has_map, TOPK=k, BLOCK_T=block_t, BLOCK_K=block_k, PDL=bool(dependent), num_warps=warps,
            **dependent)
     return out_TK
@@ -101,9 +104,6 @@ def moe_sum_torch(
 ) -> torch.Tensor:
     """Float32 oracle of moe_sum: (T, K)."""
     T, k = topk_ids_Tk.shape
-    ids = topk_ids_Tk.long()
-    if expert_map_E is not None:
-        ids = torch.where(ids >= 0, expert_map_E.long()[ids.clamp(min=0)], torch.full_like(ids, -1))
-    held = (ids >= 0) & (ids < num_local_experts)
+    held = local_route_ids(topk_ids_Tk, expert_map_E, num_local_experts) >= 0
     y = y_RK[: T * k].float().reshape(T, k, -1)
     return torch.where(held.unsqueeze(-1), y, torch.zeros_like(y)).sum(dim=1)

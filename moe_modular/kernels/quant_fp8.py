@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from moe_modular.kernels.act_and_mul import _scale_of, _to_fp8
+from moe_modular.kernels.act_and_mul import _finite_abs, _scale_of, _to_fp8
 from moe_modular.kernels.host import cdiv, next_pow2
 from moe_modular.kernels.launcher import launch
 from moe_modular.quant import FP8_DTYPE
@@ -58,7 +58,7 @@ def _quant_fp8_kernel(
             offs = k0 + tl.arange(0, BLOCK_K)
             m = valid[:, None] & (offs[None, :] < K)
             x = tl.load(x_rows + offs[None, :] * stride_xk, mask=m, other=0.0).to(tl.float32)
-            amax = tl.maximum(amax, tl.max(tl.abs(x), axis=1))
+            amax = tl.maximum(amax, tl.max(_finite_abs(x), axis=1))
         if AMAX_PASS:
             tl.atomic_max(amax_ptr, tl.max(amax, axis=0))
             return
@@ -76,7 +76,7 @@ def _quant_fp8_kernel(
         offs = g * BLOCK_K + tl.arange(0, BLOCK_K)
         m = valid[:, None] & (offs[None, :] < K)
         x = tl.load(x_rows + offs[None, :] * stride_xk, mask=m, other=0.0).to(tl.float32)
-        group_scale = _scale_of(tl.max(tl.abs(x), axis=1))
+        group_scale = _scale_of(tl.max(_finite_abs(x), axis=1))
         tl.store(scale_ptr + rows64 * stride_sm + g * stride_sg, group_scale, mask=valid)
         tl.store(o_rows + offs[None, :] * stride_ok, _to_fp8(x, group_scale[:, None], out_ptr.dtype.element_ty),
                  mask=m)

@@ -8,6 +8,8 @@ from typing import Optional
 
 import torch
 
+from moe_modular.routing import local_route_ids
+
 
 def apply_weight_on_input(a1_TK: torch.Tensor, topk_weights_Tk: torch.Tensor, enabled: bool) -> torch.Tensor:
     """Scale each token by its (single) router weight before the experts, when enabled (topk == 1)."""
@@ -27,6 +29,6 @@ def local_expert_ids(topk_ids_Tk: torch.Tensor, expert_map: Optional[torch.Tenso
     """
     ids = topk_ids_Tk.long()
     if expert_map is not None:
-        return expert_map.to(ids.device).long()[ids]
+        return local_route_ids(ids, expert_map, num_local_experts)  # an id outside the map: -1
     local = ids - first_expert
     return torch.where((local >= 0) & (local < num_local_experts), local, torch.full_like(local, -1))

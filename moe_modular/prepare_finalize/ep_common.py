@@ -22,6 +22,7 @@ from moe_modular.quant import (
     ActivationQuant,
     MoEQuantParams,
     QuantConfig,
+    finite_amax,
     quantize_activations,
     scale_from_amax,
 )
@@ -88,7 +89,7 @@ def quantize_for_dispatch(
     if not cfg.is_quantized:
         return a1_TK, None
     if cfg.activation is ActivationQuant.PER_TENSOR and not cfg.static_activation_scale:
-        amax = a1_TK.float().abs().amax().reshape(1) if a1_TK.numel() else torch.zeros(
+        amax = finite_amax(a1_TK.float()).reshape(1) if a1_TK.numel() else torch.zeros(
             1, dtype=torch.float32, device=a1_TK.device)
         dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=group)
         scale = scale_from_amax(amax)
