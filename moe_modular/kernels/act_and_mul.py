@@ -95,7 +95,7 @@ def _act_tile(x_row_ptrs, offs_n, mask, N, stride_xn, ACTIVATION: tl.constexpr):
         u = tl.load(x_row_ptrs + (2 * offs_n + 1)[None, :] * stride_xn, mask=mask, other=0.0).to(tl.float32)
         g = tl.minimum(g, _OAI_LIMIT)
         u = tl.minimum(tl.maximum(u, -_OAI_LIMIT), _OAI_LIMIT)
-        h = (u + 1.0) * g / (1.0 + tl.exp(-_OAI_ALPHA * g))
+        h = (u + 1.0) * g / (1.0 + tl.exp(g * (-_OAI_ALPHA)))  # tensor first: some interpreters mis-type constexpr * tensor
     else:
         g = tl.load(x_row_ptrs + offs_n[None, :] * stride_xn, mask=mask, other=0.0).to(tl.float32)
         u = tl.load(x_row_ptrs + (N + offs_n)[None, :] * stride_xn, mask=mask, other=0.0).to(tl.float32)
@@ -181,7 +181,9 @@ def _act_and_mul_kernel(
         tensor_scale = tl.load(scale_ptr)
     if QUANT == _Q_EXPERT:
         expert_scale = _scale_of(tl.load(amax_ptr + expert, mask=valid, other=1.0))
-        tl.store(scale_ptr + expert, expert_scale, mask=valid & (c0 == 0))
+        # the first column block stores the scale (the mask built as a row vector: some interpreters refuse a
+        # scalar mask operand)
+        tl.store(scale_ptr + expert, expert_scale, mask=valid & ((tl.zeros_like(expert) + c0) == 0))
 
     for n0 in range(c0, c1, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
