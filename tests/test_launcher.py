@@ -126,6 +126,18 @@ class _FakeDriverLauncher:
         self.global_scratch_align = self.profile_scratch_align = 1
 
 
+def test_direct_launch_only_on_the_triton_it_was_checked_on():
+    launcher.direct_launch_enabled.cache_clear()
+    try:
+        assert launcher.direct_launch_enabled("3.6.0")
+        with pytest.warns(RuntimeWarning, match=r"checked on Triton \['3.6'\]; under Triton 3.9.0 every launch"):
+            assert not launcher.direct_launch_enabled("3.9.0")
+    finally:
+        launcher.direct_launch_enabled.cache_clear()
+
+
+@pytest.mark.skipif(not triton.__version__.startswith("3.6."), reason="checks the launch against triton 3.6's "
+                    "CudaLauncher internals (other releases take Triton's own path: direct_launch_enabled)")
 def test_bare_launch_passes_what_the_driver_launcher_passes(monkeypatch):
     """A kept kernel without scratch memory is launched through the driver launcher's launch function, with the
     arguments triton 3.6's CudaLauncher.__call__ would pass it; with scratch memory, through __call__ itself."""

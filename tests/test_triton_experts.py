@@ -605,3 +605,29 @@ def test_fp8_warp_specialized_gemms_match_oracle(c: Case, monkeypatch):
     graph.replay()
     torch.cuda.synchronize()
     check()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graph capture needs a GPU")
+@pytest.mark.parametrize("c", [Case(9, 7, 3), Case(6, 8, 2, quant=QuantConfig.fp8_block((128, 128)), held=(0, 3, 4, 7))],
+                         ids=_name)
+def test_the_default_forward_captures_in_a_cuda_graph(c: Case):
+    # The serving forward (FusedMoEModularKernel with its defaults: the free input checks only) makes no
+    # device-to-host sync: it captures in a CUDA graph, and a replay on fresh inputs matches the oracle.
+    moe, qp, x, w1, w2, tw, ti, expert_map = make_inputs(c, seed=c.T + 17 * c.E)
+    mk = FusedMoEModularKernel(MoEPrepareAndFinalizeNoEP(), TritonExperts(moe, qp))
+    out = torch.full_like(x, float("nan"))
+    kwargs = dict(global_num_experts=c.E, expert_map=expert_map, output=out)
+    mk(x, w1, w2, tw, ti, **kwargs)  # compile and plan outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        mk(x, w1, w2, tw, ti, **kwargs)
+    _, _, x2, _, _, tw2, ti2, _ = make_inputs(c, seed=c.T + 17 * c.E + 1)
+    for dst, src in ((x, x2), (tw, tw2), (ti, ti2)):
+        dst.copy_(src)
+    out.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    ref = _reference(c, qp, x, w1, w2, tw, ti, expert_map)
+    assert torch.isfinite(out).all(), "a row of the output was not written"
+    err = ((out.float() - ref).norm() / ref.norm()).item()
+    assert err <= tolerance(c.dtype, c.quant), f"relative error {err:.3e}"

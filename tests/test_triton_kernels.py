@@ -10,6 +10,7 @@ from dataclasses import replace
 
 import pytest
 import torch
+import triton
 
 from moe_modular.config import Activation
 from moe_modular.kernels.act_and_mul import IntermediateQuant, RowMode, act_and_mul, act_and_mul_torch
@@ -579,6 +580,18 @@ def test_moe_gemm_ws_chain_matches_oracle(gather, gemm1_block_n, block_m, num_wa
     _check_chain(x, w1, w2, topk_w, ids, sorted_ids, num_pp, inter, y, activation, inter_sorted=not gather)
 
 
+def test_gluon_kernels_run_only_on_the_triton_they_were_checked_on():
+    from moe_modular.kernels import host
+
+    host.gluon_kernels_enabled.cache_clear()
+    try:
+        assert host.gluon_kernels_enabled("3.6.0") and host.gluon_kernels_enabled("3.6.1+git")
+        with pytest.warns(RuntimeWarning, match=r"checked on Triton \['3.6'\]; Triton 3.9.0 runs the Triton kernel"):
+            assert not host.gluon_kernels_enabled("3.9.0")
+    finally:
+        host.gluon_kernels_enabled.cache_clear()
+
+
 def test_gpu_has_tma_reads_the_capability_once_per_gpu(monkeypatch):
     # asked on every launch: the capability of each GPU is read once (a device without an index is the
     # current one); CPU devices never ask
@@ -596,6 +609,12 @@ def test_gpu_has_tma_reads_the_capability_once_per_gpu(monkeypatch):
         assert calls == [0, 1]
     finally:
         host._capability_major.cache_clear()
+
+
+GLUON_CHECKED = pytest.mark.skipif(
+    not __import__("moe_modular.kernels.host", fromlist=["x"]).gluon_kernels_enabled(triton.__version__),
+    reason="the Gluon kernels are checked on Triton 3.6 only (moe_modular.kernels.host.GLUON_CHECKED_TRITON); "
+           "elsewhere tile.ws runs the Triton kernel")
 
 
 def _sm90_compile_check(*args) -> dict:
@@ -627,6 +646,7 @@ def test_moe_gemm_pdl_compiles_to_griddepcontrol(per_route, persistent):
     (False, True, GemmTile(128, 128, 64, 8, 4, 4)),  # a second GEMM with one warpgroup, rows gathered
     (True, True, GemmTile(64, 32, 64, 4, 4, 3)),
 ], ids=["gemm1-sorted", "gemm2-gathered-4warps", "gemm1-gathered-64rows"])
+@GLUON_CHECKED
 def test_moe_gemm_ws_compiles_for_hopper(fused, gather, tile):
     # The Gluon kernel has no interpreter: compile it for sm_90a (no GPU needed) and check what it became:
     # wgmma instructions, cp.async only when gathering, shared memory within Hopper's 227 KiB, and (where
@@ -797,6 +817,7 @@ FP8_WS_TILE = GemmTile(128, 128, 128, 8, 8, 3, ws=1)
     (False, False, 0),  # the second GEMM on a sorted intermediate (TMA rows)
     (False, True, 1),  # per-token x per-channel scales
 ], ids=["gemm1-block", "gemm2-block-gathered", "gemm2-block-sorted", "gemm2-row"])
+@GLUON_CHECKED
 def test_moe_gemm_ws_fp8_compiles_for_hopper(fused, gather, scales):
     # No interpreter runs Gluon: compile for sm_90a (no GPU needed) and check what it became: 4 wgmma per
     # 64 x 128 x 128 step and consumer (twice fused), cp.async only when gathering, shared memory within
@@ -831,6 +852,7 @@ def test_fp8_ws_scales_picks_the_kernel_only_where_it_applies(monkeypatch):
     from moe_modular.kernels import moe_gemm as G
 
     monkeypatch.setattr(G, "gpu_has_tma", lambda device: True)
+    monkeypatch.setattr(G, "gluon_kernels_enabled", lambda version: True)
     fp8 = torch.float8_e4m3fn
     assert G.fp8_ws_scales(**_fp8_ws_case()) == "BLOCK"
     assert G.fp8_ws_scales(**_fp8_ws_case(a_scale_mode=AScale.ROW, b_scale_mode=BScale.CHANNEL,
@@ -856,6 +878,9 @@ def test_fp8_ws_scales_picks_the_kernel_only_where_it_applies(monkeypatch):
     }
     for what, over in refused.items():
         assert G.fp8_ws_scales(**_fp8_ws_case(**over)) is None, what
+    monkeypatch.setattr(G, "gluon_kernels_enabled", lambda version: False)
+    assert G.fp8_ws_scales(**_fp8_ws_case()) is None, "a Triton the Gluon kernels were not checked on"
+    monkeypatch.setattr(G, "gluon_kernels_enabled", lambda version: True)
     monkeypatch.setattr(G, "gpu_has_tma", lambda device: False)
     assert G.fp8_ws_scales(**_fp8_ws_case()) is None, "a GPU before Hopper"
 

@@ -35,3 +35,21 @@ def pdl_launch(want: bool, device: torch.device) -> dict:
 @functools.lru_cache(maxsize=None)
 def _capability_major(index: int) -> int:
     return torch.cuda.get_device_capability(index)[0]
+
+
+# Triton releases the Gluon kernels (moe_gemm_ws.py, moe_gemm_ws_fp8.py) were compiled and run on; Gluon is
+# experimental and its API moves between releases.
+GLUON_CHECKED_TRITON = ("3.6",)
+
+
+@functools.lru_cache(maxsize=None)
+def gluon_kernels_enabled(triton_version: str) -> bool:
+    """Whether tile.ws runs the Gluon kernels under this Triton (major.minor in GLUON_CHECKED_TRITON); elsewhere the
+    Triton kernel runs with the same values, and one warning says so."""
+    if ".".join(triton_version.split(".")[:2]) in GLUON_CHECKED_TRITON:
+        return True
+    import warnings
+
+    warnings.warn(f"tile.ws: the warp-specialized Gluon kernels are checked on Triton {list(GLUON_CHECKED_TRITON)}; "
+                  f"Triton {triton_version} runs the Triton kernel instead (same values)", RuntimeWarning, stacklevel=3)
+    return False

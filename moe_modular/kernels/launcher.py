@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import functools
 import os
 from dataclasses import dataclass
 from typing import Any, Iterator, Optional
@@ -33,6 +34,9 @@ import torch
 LAUNCH_MODES = ("direct", "triton", "check")
 # direct: passed the GPU tests in "check" mode on triton 3.6 (H100, torch 2.11); "triton" is the fallback
 DEFAULT_MODE = "direct"
+# Triton releases (major.minor) whose launcher internals the direct launch was checked against; under any
+# other release every launch takes Triton's own path, and one warning says so.
+DIRECT_CHECKED_TRITON = ("3.6",)
 _ENV = "MOE_MODULAR_LAUNCH"
 
 
@@ -116,10 +120,23 @@ _KEPT: dict[tuple, Optional[_Kept]] = {}  # None: this key always takes Triton's
 _MISSING = object()
 
 
+@functools.lru_cache(maxsize=None)
+def direct_launch_enabled(triton_version: str) -> bool:
+    """Whether the direct launch runs under this Triton release (DIRECT_CHECKED_TRITON); warns once where not."""
+    if ".".join(triton_version.split(".")[:2]) in DIRECT_CHECKED_TRITON:
+        return True
+    import warnings
+
+    warnings.warn(f"moe_modular's direct kernel launch is checked on Triton {list(DIRECT_CHECKED_TRITON)}; under "
+                  f"Triton {triton_version} every launch takes Triton's own path", RuntimeWarning, stacklevel=3)
+    return False
+
+
 def launch(kernel, grid: tuple, *args, **kw) -> None:
     """kernel[grid](*args, **kw), directly where a kernel of the same key ran before (module docstring)."""
     mode = _MODE.get()
-    if mode == "triton" or not hasattr(kernel, "device_caches") or _hooked():  # no device_caches: interpreter
+    if (mode == "triton" or not hasattr(kernel, "device_caches") or _hooked()  # no device_caches: interpreter
+            or not direct_launch_enabled(_triton_version())):
         kernel[grid](*args, **kw)
         return
     device = torch.cuda.current_device()
@@ -143,6 +160,13 @@ def launch(kernel, grid: tuple, *args, **kw) -> None:
              *args, *kept.tail)
     else:
         kept.run(g0, g1, g2, stream, kept.function, kept.packed_metadata, None, None, None, *args, *kept.tail)
+
+
+@functools.lru_cache(maxsize=1)
+def _triton_version() -> str:
+    import triton
+
+    return triton.__version__
 
 
 def _hooked() -> bool:

@@ -41,7 +41,7 @@ from moe_modular.kernels.act_and_mul import (
     _to_fp8,
     gated_act,
 )
-from moe_modular.kernels.host import cdiv, gpu_has_tma, pdl_launch
+from moe_modular.kernels.host import cdiv, gluon_kernels_enabled, gpu_has_tma, pdl_launch
 from moe_modular.kernels.launcher import launch
 from moe_modular.kernels.moe_align import _local_expert_of_route
 
@@ -366,6 +366,8 @@ def ws_applies(tile: GemmTile, a: torch.Tensor, b_ENK: torch.Tensor, c: torch.Te
     16-byte aligned rows."""
     if not (tile.ws and standard and not scaled and not c_group and gpu_has_tma(a.device)):
         return False
+    if not gluon_kernels_enabled(triton.__version__):
+        return False
     if a.dtype not in (torch.bfloat16, torch.float16) or {b_ENK.dtype, c.dtype} != {a.dtype}:
         return False
     if not b_ENK.is_contiguous() or c.stride(-1) != 1 or not tma_addressable(b_ENK.view(-1, b_ENK.shape[-1])):
@@ -390,7 +392,7 @@ def fp8_ws_scales(tile: GemmTile, a: torch.Tensor, b_ENK: torch.Tensor, c: torch
     per-row / per-channel scales, the tile FP8_WS_TILE with FP8_WS_WARPS warps, Ko a multiple of 128 (whole K
     steps), B contiguous and TMA-addressable, scales unit-strided along K; fused: block scales, N a multiple of
     128 and the output quantized in 1 x 128 groups; else a 16-bit or float32 output."""
-    if not (tile.ws and standard and gpu_has_tma(a.device)):
+    if not (tile.ws and standard and gpu_has_tma(a.device)) or not gluon_kernels_enabled(triton.__version__):
         return None
     fp8 = torch.float8_e4m3fn
     scales = _FP8_WS_SCALES.get((a_scale_mode, b_scale_mode))
