@@ -72,7 +72,8 @@ class EPPrepareAndFinalize(FusedMoEPrepareAndFinalizeModular):
             raise ValueError(
                 f"manager (rank {manager.rank} of {manager.world_size}) must match moe.parallel "
                 f"(ep_rank {moe.ep_rank} of ep_size {moe.ep_size})")
-        check_same_layer_on_every_rank(moe, type(self).__name__, manager.group)
+        if manager.world_size > 1:  # one rank has nothing to compare with
+            check_same_layer_on_every_rank(moe, type(self).__name__, manager.group)
         self.moe = moe
         self.manager = manager
         self.group = manager.group
