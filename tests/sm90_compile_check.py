@@ -82,7 +82,7 @@ def compile_ws_fp8(fused: bool, gather: bool, scales: int):
                 stride_wk=1)
     consts = dict(SCALES=scales, FUSE_ACT=fused, ACTIVATION=0, OUT_GROUP=128 if fused else 0, MUL_WEIGHT=not fused,
                   C_SORTED=False, A_GATHER=gather, A_ROW_DIV=8 if fused else 1, BLOCK_M=F.FP8_WS_BLOCK_M,
-                  BLOCK_N=F.FP8_WS_BLOCK_N, BLOCK_K=F.FP8_WS_BLOCK_K, GROUP_M=8, STAGES=F.fp8_ws_stages(fused),
+                  BLOCK_N=F.FP8_WS_BLOCK_N, BLOCK_K=F.FP8_WS_BLOCK_K, GROUP_M=8, STAGES=F.fp8_ws_stages(fused, c.element_size()),
                   A_LAYOUT=F._a_layout())
     names = list(F._moe_gemm_ws_fp8_kernel.arg_names)
     src = GluonASTSource(F._moe_gemm_ws_fp8_kernel, {**{k: mangle_type(v) for k, v in args.items()},

@@ -249,7 +249,7 @@ def test_cli_refuses_a_static_scale_it_would_ignore(flags, capsys):
 
 # ---- 3. a non-finite token ------------------------------------------------------------------------
 @pytest.mark.parametrize("experts_cls", [TorchExperts, TritonExperts], ids=lambda c: c.__name__)
-@pytest.mark.parametrize("quant", [QuantConfig.fp8_per_token(), QuantConfig.fp8_block((16, 16)),
+@pytest.mark.parametrize("quant", [QuantConfig.fp8_per_token(), QuantConfig.fp8_block((32, 32)),
                                    QuantConfig.fp8_per_tensor()], ids=lambda q: q.name)
 @pytest.mark.parametrize("bad", [float("nan"), float("inf")], ids=["nan", "inf"])
 def test_a_non_finite_token_poisons_only_its_own_row(experts_cls, quant, bad):

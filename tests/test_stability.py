@@ -48,7 +48,7 @@ def _tokens(T: int, seed: int):
 
 @pytest.mark.parametrize("experts_cls", [TorchExperts, TritonExperts, GroupedMMExperts, NaiveBatchedExperts,
                                          BatchedTritonExperts], ids=lambda c: c.__name__)
-@pytest.mark.parametrize("quant", [QuantConfig(), QuantConfig.fp8_block((16, 16))], ids=lambda q: q.name)
+@pytest.mark.parametrize("quant", [QuantConfig(), QuantConfig.fp8_block((32, 32))], ids=lambda q: q.name)
 def test_every_experts_class_is_bitwise_deterministic(experts_cls, quant):
     moe = MoEConfig(num_experts=E, topk=TOPK, hidden_dim=K, intermediate_dim=N, quant=quant, max_num_tokens=9)
     ok, reason = experts_cls.supports(moe)

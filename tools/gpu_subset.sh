@@ -39,7 +39,7 @@ step matrix_batched_large 60 python3 -m tests.test_modular_kernel_combinations -
   --experts-type BatchedTritonExperts -m 1 33 256 -k 1024 -n 384 --num-experts 16 --topk 2
 step matrix_a2a_large 60 python3 -m tests.test_modular_kernel_combinations --pf-type AllToAllPrepareAndFinalize \
   --experts-type TritonExperts -m 1 64 -k 2048 -n 768 --num-experts 32 --topk 4
-step pytest_gpu 300 python3 -m pytest -q -x -p no:cacheprovider tests/test_triton_experts.py tests/test_triton_kernels.py tests/test_quant.py \
-  tests/test_grouped_mm_experts.py tests/test_modular_kernel.py tests/test_fused_moe_layer.py
+step pytest_gpu 330 python3 -m pytest -q -x -p no:cacheprovider tests/test_triton_experts.py tests/test_triton_kernels.py tests/test_quant.py \
+  tests/test_grouped_mm_experts.py tests/test_modular_kernel.py tests/test_fused_moe_layer.py tests/test_input_validation.py tests/test_launcher.py
 cat "$out/summary.txt"
 exit $status

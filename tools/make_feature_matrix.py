@@ -173,6 +173,9 @@ def to_markdown(records: list[CellRecord], command: str, shape_line: str) -> str
         "- FAIL [n]: a case missed the tolerance or raised; note n gives the error.",
         "- SKIP [n]: the pair does not compose, or a class does not support the scheme or world size;",
         "  note n gives the reason, as the class states it.",
+        "- Classes that need a GPU (the DeepEP and symmetric-memory PFs, the warp-specialized kernels) skip or",
+        "  run their CPU path here; docs/deepep.md (\"What has been run where\") and the README's GPU checks say",
+        "  which ran on a GPU, where and when.",
         "",
     ]
     for ws in sorted({r.world_size for r in records}):

@@ -27,6 +27,8 @@ except ImportError as exc:  # supports() reports it; nothing else runs without t
 
 # Workspace slices start at multiples of this many bytes (any dtype view is aligned).
 _ALIGN_BYTES = 256
+# fp8 tensor-core MMAs take K steps of 32: the smallest K tile (and so activation group) of an fp8 GEMM.
+FP8_MIN_BLOCK_K = 32
 # The alignment block can be any power of two up to this (workspaces are sized for all of them).
 MAX_BLOCK_M = 256
 
@@ -66,8 +68,9 @@ def triton_supports(moe: MoEConfig) -> tuple[bool, str]:
     q = moe.quant
     if q.is_block:
         bn, bk = q.block_shape
-        if bk < 16 or bk & (bk - 1):
-            return False, f"block_shape[1] ({bk}) must be a power of two >= 16 (K tiles may not straddle a group)"
+        if bk < FP8_MIN_BLOCK_K or bk & (bk - 1):
+            return False, (f"block_shape[1] ({bk}) must be a power of two >= {FP8_MIN_BLOCK_K} (K tiles may not straddle "
+                           f"a group, and an fp8 MMA on a GPU takes K steps of {FP8_MIN_BLOCK_K})")
     if not isinstance(moe.activation, Activation):
         return False, f"activation {moe.activation!r} is not an Activation"
     if q.is_quantized and torch.cuda.is_available():

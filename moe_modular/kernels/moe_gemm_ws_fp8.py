@@ -47,9 +47,9 @@ FP8_WS_BLOCK_M = 128
 FP8_WS_BLOCK_N = 128
 FP8_WS_BLOCK_K = 128
 WG_ROWS: gl.constexpr = gl.constexpr(64)
-# Shared memory the stage ring may fill (Hopper: 227 KiB per block; the rest holds the barriers and the
-# compiler's scratch for the two epilogues' layout conversions).
-FP8_WS_SMEM_BYTES = 192 * 1024
+# Shared memory of a block on Hopper (227 KiB), less what the barriers and the compiler's own use take; the
+# stage ring gets what the two epilogues' layout conversions (a 64 x 128 output tile each) leave.
+FP8_WS_SMEM_BYTES = 226 * 1024
 # Registers per thread: a warpgroup slot of the register file each for the two consumers and the loader (padded to
 # a warpgroup) share 504; the first consumer (the launch's own warps) gets what the others leave, so the second
 # asks for an even split. The loader: one warp issuing TMA copies, or GATHER_WARPS warps that also copy A's rows.
@@ -311,10 +311,12 @@ def _moe_gemm_ws_fp8_kernel(a_desc, a_ptr, stride_am, b_desc, c_ptr, c_scale_ptr
     ], [4, LOADER_WARPS], [CONSUMER_NUM_REGS, LOADER_NUM_REGS])
 
 
-def fp8_ws_stages(fused: bool) -> int:
-    """Stages of the ring that fit FP8_WS_SMEM_BYTES (1-byte A and B tiles)."""
+def fp8_ws_stages(fused: bool, c_item: int) -> int:
+    """Stages of the ring (1-byte A and B tiles) that fit FP8_WS_SMEM_BYTES next to the two consumers' output
+    tiles of c_item-byte elements."""
     per_stage = (FP8_WS_BLOCK_M + FP8_WS_BLOCK_N * (2 if fused else 1)) * FP8_WS_BLOCK_K
-    return FP8_WS_SMEM_BYTES // per_stage
+    scratch = 2 * int(WG_ROWS) * FP8_WS_BLOCK_N * c_item
+    return (FP8_WS_SMEM_BYTES - scratch) // per_stage
 
 
 def _a_layout():
@@ -364,6 +366,6 @@ def moe_gemm_ws_fp8(a: torch.Tensor, b_ENK: torch.Tensor, c: torch.Tensor, *, sc
         SCALES=scales.value, FUSE_ACT=fused, ACTIVATION=activation_code or 0,
         OUT_GROUP=FP8_WS_BLOCK_N if quantized else 0, MUL_WEIGHT=topk_weights_Tk is not None, C_SORTED=c_sorted,
         A_GATHER=not a_sorted, A_ROW_DIV=a_row_div, BLOCK_M=FP8_WS_BLOCK_M, BLOCK_N=FP8_WS_BLOCK_N,
-        BLOCK_K=FP8_WS_BLOCK_K, GROUP_M=group_m, STAGES=fp8_ws_stages(fused), A_LAYOUT=_a_layout(), num_warps=4,
+        BLOCK_K=FP8_WS_BLOCK_K, GROUP_M=group_m, STAGES=fp8_ws_stages(fused, c.element_size()), A_LAYOUT=_a_layout(), num_warps=4,
     )
     return c
