@@ -143,6 +143,37 @@ def _single_gpu_worker(pgi, sink_path: str) -> None:
             return "PASS: " + ", ".join(f"M={r.M} error {r.error:.2e} (tol {r.tolerance:.2e})" for r in results)
 
         ok &= _check(f"DeepEP low-latency on 1 rank, {name}", ll_one_rank, sink)
+    def ll_receive_hook() -> str:
+        # shared experts run while the dispatch is in flight: prepare_no_receive issues DeepEP's sends and the
+        # receiver runs its receive hook (counted); routed output against the oracle, shared output exact
+        from moe_modular.modular_kernel import FusedMoEModularKernel
+        from moe_modular.reference import moe_torch
+        from tests.modular_kernel_tools.common import tolerance
+        from tests.modular_kernel_tools.runner import make_inputs, relative_error
+
+        quant = QuantConfig.fp8_block((128, 128))
+        cfg = Config(Ms=(7,), K=2048, N=512, E=8, topks=(2,), dtype=torch.bfloat16, quant=quant,
+                     prepare_finalize_type=DeepEPLLPrepareAndFinalize, fused_experts_type=NaiveBatchedExperts,
+                     world_size=1)
+        moe = cfg.moe_config(2)
+        supported, reason = DeepEPLLPrepareAndFinalize.supports(moe)
+        if not supported:
+            return f"SKIP: {reason}"
+        inp = make_inputs(cfg, 7, 2, 5, pgi.device)
+        pf = DeepEPLLPrepareAndFinalize.make(moe, ctx)
+        hooks = []
+        start = pf.prepare_no_receive
+        pf.prepare_no_receive = lambda *a: hooks.append(1) or start(*a)
+        kernel = FusedMoEModularKernel(pf, NaiveBatchedExperts.for_prepare_finalize(moe, inp.quant, pf),
+                                       shared_experts=lambda h: h * 2, check_inputs=True)
+        shared, out = kernel(inp.x, inp.w1, inp.w2, inp.topk_weights, inp.topk_ids, global_num_experts=cfg.E)
+        ref = moe_torch(inp.x, inp.w1, inp.w2, inp.topk_weights, inp.topk_ids, cfg.activation, inp.quant)
+        err, tol = relative_error(out, ref), tolerance(cfg.dtype, quant)
+        assert hooks == [1], "the forward did not take prepare_no_receive"
+        assert torch.equal(shared, inp.x * 2) and err <= tol, f"error {err:.3g} > {tol:.3g}"
+        return f"PASS: routed error {err:.2e} (tol {tol:.2e}), shared output exact, receive hook taken"
+
+    ok &= _check("DeepEP low-latency on 1 rank, receive hook with shared experts", ll_receive_hook, sink)
     if load_deep_ep() is None:
         log("note: the DeepEP checks answered without deep_ep; build it with tools/build_deep_ep.sh", sink)
     ctx.destroy()
