@@ -360,6 +360,13 @@ def test_programmatic_dependent_launches_match_oracle(c: Case, persistent: int):
     moe, qp, x, w1, w2, tw, ti, expert_map = make_inputs(c, seed=c.T + 13 * c.E)
     tile = GemmTile(16, 64, 64, 1, 4, 2, pdl=1)
     fe = TritonExperts(moe, qp, tile_config=TileConfig(tile, replace(tile, persistent=persistent)))
+    _check_eager_then_graph(c, fe, qp, (x, w1, w2, tw, ti, expert_map), c.T + 13 * c.E + 1)
+
+
+def _check_eager_then_graph(c: Case, fe, qp, inputs, replay_seed: int) -> None:
+    """fe's apply (NoEP prepare first) against the oracle eagerly, then replayed from a CUDA graph on fresh inputs
+    (make_inputs(c, replay_seed)) copied in, with the workspaces and the output poisoned before each."""
+    x, w1, w2, tw, ti, expert_map = inputs
     El, N2 = w1.shape[0], w1.shape[1]
     pf = MoEPrepareAndFinalizeNoEP()
     ws13, ws2, out = _poisoned_workspaces(fe, c.T, N2, c.K, c.topk, c.E, El)
@@ -380,7 +387,7 @@ def test_programmatic_dependent_launches_match_oracle(c: Case, persistent: int):
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         forward()
-    _, _, x2, _, _, tw2, ti2, _ = make_inputs(c, seed=c.T + 13 * c.E + 1)
+    _, _, x2, _, _, tw2, ti2, _ = make_inputs(c, seed=replay_seed)
     for dst, src in ((x, x2), (tw, tw2), (ti, ti2)):
         dst.copy_(src)
     for t in (ws13, ws2, out):
@@ -576,35 +583,8 @@ def test_fp8_warp_specialized_gemms_match_oracle(c: Case, monkeypatch):
     tile = GemmTile(128, 128, 128, 8, 8, 3, ws=1)
     gemm1 = replace(tile, BLOCK_N=256, act_q=1) if c.quant.is_block else tile
     fe = TritonExperts(moe, qp, tile_config=TileConfig(gemm1, tile))
-    El, N2 = w1.shape[0], w1.shape[1]
-    pf = MoEPrepareAndFinalizeNoEP()
-    ws13, ws2, out = _poisoned_workspaces(fe, c.T, N2, c.K, c.topk, c.E, El)
-
-    def forward():
-        prepared = pf.prepare(x, tw, ti, c.E, expert_map, False, qp)
-        fe.apply(out, prepared.a1q, w1, w2, tw, ti, c.activation, c.E, expert_map, prepared.a1q_scale,
-                 qp.a2_scale, ws13, ws2, None, False)
-
-    def check():
-        ref = _reference(c, qp, x, w1, w2, tw, ti, expert_map)
-        assert torch.isfinite(out).all(), "a row of the output was not written"
-        err = ((out.float() - ref).norm() / ref.norm()).item()
-        assert err <= tolerance(c.dtype, c.quant), f"relative error {err:.3e}"
-
-    forward()
-    assert len(calls) == 2, "a GEMM ran the Triton kernel"
-    check()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        forward()
-    _, _, x2, _, _, tw2, ti2, _ = make_inputs(c, seed=c.T + 5 * c.E + 1)
-    for dst, src in ((x, x2), (tw, tw2), (ti, ti2)):
-        dst.copy_(src)
-    for t in (ws13, ws2, out):
-        t.fill_(float("nan"))
-    graph.replay()
-    torch.cuda.synchronize()
-    check()
+    _check_eager_then_graph(c, fe, qp, (x, w1, w2, tw, ti, expert_map), c.T + 5 * c.E + 1)
+    assert len(calls) == 4, "a GEMM ran the Triton kernel (two GEMMs eagerly, two in the capture)"
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graph capture needs a GPU")

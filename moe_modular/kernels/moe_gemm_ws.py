@@ -8,10 +8,11 @@ top-k weight multiplied into route rows, C written at the route (or, c_sorted, t
 
 Schedule: one program per SM walks the tiles of the filled blocks (their count read on the device) in the
 grouped order of moe_gemm. Each program is three partitions:
-- a loader streams A and B tiles into a ring of STAGES shared-memory buffers (`ready[s]` completes when
-  stage s has landed, `empty[s]` when the MMAs that read it are done) and runs ahead into the next tile
-  while this one finishes: one warp issuing TMA copies, or GATHER_WARPS warps that also copy the block's
-  A rows with cp.async (each thread's copies counted into `ready[s]`);
+- a loader (ws_common.ws_tile_loader, shared with the fp8 kernel) streams A and B tiles into a ring of STAGES
+  shared-memory buffers (`ready[s]` completes when stage s has landed, `empty[s]` when the MMAs that read it
+  are done) and runs ahead into the next tile while this one finishes: one warp issuing TMA copies, or
+  GATHER_WARPS warps that also copy the block's A rows with cp.async (each thread's copies counted into
+  `ready[s]`);
 - the default partition (the launch's warps, one or two warpgroups) runs the wgmma chain, then the
   activation and the top-k weight in registers, and puts the tile, rounded, into shared memory
   (`c_ready` / `c_empty` hand it over);
@@ -27,17 +28,15 @@ import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
-    async_copy,
     fence_async_shared,
     mbarrier,
-    tma,
     warpgroup_mma,
     warpgroup_mma_wait,
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from moe_modular.kernels.act_and_mul import _ACT_SILU
-from moe_modular.kernels.moe_gemm import _tile_order
+from moe_modular.kernels.ws_common import ws_tile_loader, ws_tile_order
 
 
 # Shared memory a program may fill with its stage ring (Hopper: 227 KiB per block; the rest stays for the
@@ -77,57 +76,6 @@ def _store_layout(block_n, num_warps):
     return gl.BlockedLayout([1, 8], [32 // per_row, per_row], [num_warps, 1], [1, 0])
 
 
-# moe_gemm's tile order, compiled as Gluon (the same Python body).
-_ws_tile_order = gluon.jit(_tile_order.fn)
-
-
-@gluon.jit
-def _ws_loader(a_desc, a_ptr, stride_am, b_desc, a_bufs, b_bufs, ready, empty, sorted_ids_ptr, block_expert_ptr,
-               num_post_padded_ptr, num_routes, N, K, b_rows_per_expert,
-               FUSE_ACT: gl.constexpr, A_GATHER: gl.constexpr, A_ROW_DIV: gl.constexpr, BLOCK_M: gl.constexpr,
-               BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr):
-    num_blocks = gl.load(num_post_padded_ptr) // BLOCK_M
-    num_pid_n = gl.cdiv(N, BLOCK_N)
-    k_steps = gl.cdiv(K, BLOCK_K)
-    # bytes TMA brings per stage: the B tile (gate and up when fused), and A's unless gathered
-    b_bytes: gl.constexpr = (2 if FUSE_ACT else 1) * b_desc.block_type.nbytes
-    a_bytes: gl.constexpr = BLOCK_M * BLOCK_K * b_desc.dtype.primitive_bitwidth // 8
-    nbytes: gl.constexpr = b_bytes if A_GATHER else b_bytes + a_bytes
-    gather_layout: gl.constexpr = _store_layout(BLOCK_K, gl.num_warps())  # this partition's warps
-    offs_k = gl.arange(0, BLOCK_K, layout=gl.SliceLayout(0, gather_layout))  # whole K tiles (ws_applies)
-    i = 0
-    for tile in range(gl.program_id(0), num_blocks * num_pid_n, gl.num_programs(0)):
-        pid_m, pid_n = _ws_tile_order(tile, num_blocks, num_pid_n, GROUP_M)
-        expert = gl.load(block_expert_ptr + pid_m)
-        b_row = expert * b_rows_per_expert + pid_n * BLOCK_N
-        if A_GATHER:  # the block's A rows: route sid reads row sid // A_ROW_DIV; padding entries read zeros
-            offs_m = pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, gather_layout))
-            sid = gl.load(sorted_ids_ptr + offs_m)
-            # rows start 16-byte aligned (ws_applies), so each thread copies whole 8-element vectors
-            row_start = gl.multiple_of((sid // A_ROW_DIV).to(gl.int64)[:, None] * stride_am, [1, 8])
-            a_rows = a_ptr + row_start + offs_k[None, :]
-            row_ok = (sid < num_routes)[:, None]
-        for kk in range(k_steps):
-            s = i % STAGES
-            mbarrier.wait(empty.index(s), ((i // STAGES) & 1) ^ 1)  # a fresh barrier passes parity 1
-            if A_GATHER:
-                async_copy.async_copy_global_to_shared(a_bufs.index(s), a_rows + kk * BLOCK_K, mask=row_ok)
-                # ready[s] also waits for this thread's copies; every thread counts itself in before the
-                # expect below can complete the phase
-                async_copy.mbarrier_arrive(ready.index(s))
-                gl.thread_barrier()
-            mbarrier.expect(ready.index(s), nbytes)
-            if not A_GATHER:
-                tma.async_copy_global_to_shared(a_desc, [pid_m * BLOCK_M, kk * BLOCK_K], ready.index(s),
-                                                a_bufs.index(s))
-            if FUSE_ACT:  # gate rows then up rows in one (2 * BLOCK_N, BLOCK_K) buffer
-                tma.async_copy_global_to_shared(b_desc, [b_row, kk * BLOCK_K], ready.index(s),
-                                                b_bufs.index(s).slice(0, BLOCK_N))
-                tma.async_copy_global_to_shared(b_desc, [b_row + N, kk * BLOCK_K], ready.index(s),
-                                                b_bufs.index(s).slice(BLOCK_N, BLOCK_N))
-            else:
-                tma.async_copy_global_to_shared(b_desc, [b_row, kk * BLOCK_K], ready.index(s), b_bufs.index(s))
-            i += 1
 
 
 @gluon.jit
@@ -149,7 +97,7 @@ def _ws_mma_epilogue(a_bufs, b_bufs, ready, empty, c_smem, c_ready, c_empty, c_p
     i = 0
     t = 0
     for tile in range(gl.program_id(0), num_blocks * num_pid_n, gl.num_programs(0)):
-        pid_m, pid_n = _ws_tile_order(tile, num_blocks, num_pid_n, GROUP_M)
+        pid_m, pid_n = ws_tile_order(tile, num_blocks, num_pid_n, GROUP_M)
         acc = gl.zeros([BLOCK_M, ACC_N], gl.float32, acc_layout)
         for kk in range(k_steps):
             s = i % STAGES
@@ -194,7 +142,7 @@ def _ws_storer(c_smem, c_ready, c_empty, c_ptr, sorted_ids_ptr, num_post_padded_
     num_pid_n = gl.cdiv(N, BLOCK_N)
     t = 0
     for tile in range(gl.program_id(0), num_blocks * num_pid_n, gl.num_programs(0)):
-        pid_m, pid_n = _ws_tile_order(tile, num_blocks, num_pid_n, GROUP_M)
+        pid_m, pid_n = ws_tile_order(tile, num_blocks, num_pid_n, GROUP_M)
         offs_n = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, layout))
         mbarrier.wait(c_ready, t & 1)
         for r in gl.static_range(0, BLOCK_M, STORE_ROWS):
@@ -242,7 +190,7 @@ def _moe_gemm_ws_kernel(a_desc, a_ptr, stride_am, b_desc, c_ptr, topk_weights_pt
                             sorted_ids_ptr, num_post_padded_ptr, num_routes, N, K, topk, stride_cm, stride_wt,
                             stride_wk, FUSE_ACT, ACTIVATION, MUL_WEIGHT, C_SORTED, BLOCK_M, BLOCK_N, BLOCK_K,
                             GROUP_M, STAGES, NUM_WARPS, A_GATHER)),
-        (_ws_loader, (a_desc, a_ptr, stride_am, b_desc, a_bufs, b_bufs, ready, empty, sorted_ids_ptr,
+        (ws_tile_loader, (a_desc, a_ptr, stride_am, b_desc, a_bufs, b_bufs, ready, empty, sorted_ids_ptr,
                       block_expert_ptr, num_post_padded_ptr, num_routes, N, K, b_rows_per_expert, FUSE_ACT,
                       A_GATHER, A_ROW_DIV, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES)),
         (_ws_storer, (c_smem, c_ready, c_empty, c_ptr, sorted_ids_ptr, num_post_padded_ptr, num_routes, N,

@@ -10,8 +10,8 @@ Epilogues: act(gate) * up of the gate | up halves of w1, optionally quantized to
 
 Schedule: one program per SM walks the tiles of the filled blocks (their count read on the device). A tile is
 128 rows; each program runs three partitions:
-- a loader (one warp issuing TMA copies, or GATHER_WARPS warps that also copy A's rows with cp.async) fills a
-  ring of STAGES shared-memory stages (`ready[s]` completes when stage s has landed, `empty[s]` when both
+- a loader (ws_common.ws_tile_loader: one warp issuing TMA copies, or GATHER_WARPS warps that also copy A's rows
+  with cp.async) fills a ring of STAGES shared-memory stages (`ready[s]` completes when stage s has landed, `empty[s]` when both
   consumers are done with it) and runs ahead into the next tile;
 - two consumer warpgroups, each owning 64 rows of the tile, synchronised only through the ring's mbarriers.
   BLOCK: every K step is a fresh wgmma (K = 128, one scale group) that the warpgroup waits for and then adds
@@ -29,17 +29,15 @@ import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
-    async_copy,
     fence_async_shared,
     mbarrier,
-    tma,
     warpgroup_mma,
     warpgroup_mma_wait,
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from moe_modular.kernels.act_and_mul import _ACT_SILU, _FP8_MAX, _MIN_AMAX
-from moe_modular.kernels.moe_gemm import _tile_order
+from moe_modular.kernels.ws_common import rows_layout, ws_tile_loader, ws_tile_order
 
 # The tile: 128 rows (two consumer warpgroups of 64), 128 output columns (one weight scale block, one
 # activation group of the re-quantized output), K steps of 128 (one activation scale group).
@@ -70,7 +68,6 @@ class Fp8Scales(enum.Enum):
 
 _BLOCK: gl.constexpr = gl.constexpr(Fp8Scales.BLOCK.value)
 
-_ws_tile_order = gluon.jit(_tile_order.fn)
 
 
 @gluon.jit
@@ -101,63 +98,6 @@ def _acc_layout(block_n):
     return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, block_n, 32])
 
 
-@gluon.constexpr_function
-def _rows_layout(block_k, dtype, num_warps):
-    """Rows of 16-byte vectors of dtype: a warp covers min(32, row vectors) vectors of a row, warps go down the
-    rows."""
-    vec = 128 // dtype.primitive_bitwidth
-    per_row = min(32, block_k // vec)
-    return gl.BlockedLayout([1, vec], [32 // per_row, per_row], [num_warps, 1], [1, 0])
-
-
-@gluon.jit
-def _fp8_loader(a_desc, a_ptr, stride_am, b_desc, a_bufs, b_bufs, ready, empty, sorted_ids_ptr, block_expert_ptr,
-                num_post_padded_ptr, num_routes, N, K, b_rows_per_expert,
-                FUSE_ACT: gl.constexpr, A_GATHER: gl.constexpr, A_ROW_DIV: gl.constexpr, BLOCK_M: gl.constexpr,
-                BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr):
-    num_blocks = gl.load(num_post_padded_ptr) // BLOCK_M
-    num_pid_n = gl.cdiv(N, BLOCK_N)
-    k_steps = gl.cdiv(K, BLOCK_K)
-    b_bytes: gl.constexpr = (2 if FUSE_ACT else 1) * b_desc.block_type.nbytes
-    a_bytes: gl.constexpr = BLOCK_M * BLOCK_K * b_desc.dtype.primitive_bitwidth // 8
-    nbytes: gl.constexpr = b_bytes if A_GATHER else b_bytes + a_bytes
-    VEC: gl.constexpr = 128 // b_desc.dtype.primitive_bitwidth
-    gather_layout: gl.constexpr = _rows_layout(BLOCK_K, b_desc.dtype, gl.num_warps())
-    offs_k = gl.arange(0, BLOCK_K, layout=gl.SliceLayout(0, gather_layout))
-    i = 0
-    for tile in range(gl.program_id(0), num_blocks * num_pid_n, gl.num_programs(0)):
-        pid_m, pid_n = _ws_tile_order(tile, num_blocks, num_pid_n, GROUP_M)
-        expert = gl.load(block_expert_ptr + pid_m)
-        b_row = expert * b_rows_per_expert + pid_n * BLOCK_N
-        if A_GATHER:  # the block's A rows: route sid reads row sid // A_ROW_DIV; padding entries read zeros
-            offs_m = pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, gather_layout))
-            sid = gl.load(sorted_ids_ptr + offs_m)
-            row_start = gl.multiple_of((sid // A_ROW_DIV).to(gl.int64)[:, None] * stride_am, [1, VEC])
-            a_rows = a_ptr + row_start + offs_k[None, :]
-            row_ok = (sid < num_routes)[:, None]
-        for kk in range(k_steps):
-            s = i % STAGES
-            mbarrier.wait(empty.index(s), ((i // STAGES) & 1) ^ 1)  # a fresh barrier passes parity 1
-            if A_GATHER:
-                async_copy.async_copy_global_to_shared(a_bufs.index(s), a_rows + kk * BLOCK_K, mask=row_ok)
-                # ready[s] also waits for this thread's copies; every thread counts itself in before the expect
-                # below can complete the phase
-                async_copy.mbarrier_arrive(ready.index(s))
-                gl.thread_barrier()
-            mbarrier.expect(ready.index(s), nbytes)
-            if not A_GATHER:
-                tma.async_copy_global_to_shared(a_desc, [pid_m * BLOCK_M, kk * BLOCK_K], ready.index(s),
-                                                a_bufs.index(s))
-            if FUSE_ACT:  # gate rows then up rows in one (2 * BLOCK_N, BLOCK_K) stage
-                tma.async_copy_global_to_shared(b_desc, [b_row, kk * BLOCK_K], ready.index(s),
-                                                b_bufs.index(s).slice(0, BLOCK_N))
-                tma.async_copy_global_to_shared(b_desc, [b_row + N, kk * BLOCK_K], ready.index(s),
-                                                b_bufs.index(s).slice(BLOCK_N, BLOCK_N))
-            else:
-                tma.async_copy_global_to_shared(b_desc, [b_row, kk * BLOCK_K], ready.index(s), b_bufs.index(s))
-            i += 1
-
-
 @gluon.jit
 def _fp8_consumer(a_bufs, b_bufs, ready, empty, c_ptr, c_scale_ptr, a_scale_ptr, b_scale_ptr, topk_weights_ptr,
                   sorted_ids_ptr, block_expert_ptr, num_post_padded_ptr, num_routes, N, K, topk, stride_cm,
@@ -168,9 +108,9 @@ def _fp8_consumer(a_bufs, b_bufs, ready, empty, c_ptr, c_scale_ptr, a_scale_ptr,
                   GROUP_M: gl.constexpr, STAGES: gl.constexpr):
     """One warpgroup: rows [ROW0, ROW0 + 64) of every tile, from the wgmma chain to the stored output."""
     acc_layout: gl.constexpr = _acc_layout(BLOCK_N)
-    rows_layout: gl.constexpr = gl.SliceLayout(1, acc_layout)
+    row_slice: gl.constexpr = gl.SliceLayout(1, acc_layout)
     cols_layout: gl.constexpr = gl.SliceLayout(0, acc_layout)
-    store_layout: gl.constexpr = _rows_layout(BLOCK_N, c_ptr.dtype.element_ty, 4)
+    store_layout: gl.constexpr = rows_layout(BLOCK_N, c_ptr.dtype.element_ty, 4)
     num_blocks = gl.load(num_post_padded_ptr) // BLOCK_M
     num_pid_n = gl.cdiv(N, BLOCK_N)
     k_steps = gl.cdiv(K, BLOCK_K)
@@ -179,9 +119,9 @@ def _fp8_consumer(a_bufs, b_bufs, ready, empty, c_ptr, c_scale_ptr, a_scale_ptr,
     tmp = gl.zeros([WG_ROWS, BLOCK_N], gl.float32, acc_layout)  # a K step's product (its value is not read)
     i = 0
     for tile in range(gl.program_id(0), num_blocks * num_pid_n, gl.num_programs(0)):
-        pid_m, pid_n = _ws_tile_order(tile, num_blocks, num_pid_n, GROUP_M)
+        pid_m, pid_n = ws_tile_order(tile, num_blocks, num_pid_n, GROUP_M)
         expert = gl.load(block_expert_ptr + pid_m).to(gl.int64)
-        offs_m = pid_m * BLOCK_M + ROW0 + gl.arange(0, WG_ROWS, layout=rows_layout)
+        offs_m = pid_m * BLOCK_M + ROW0 + gl.arange(0, WG_ROWS, layout=row_slice)
         sid = gl.load(sorted_ids_ptr + offs_m)
         row_ok = sid < num_routes
         if A_GATHER:
@@ -305,7 +245,7 @@ def _moe_gemm_ws_fp8_kernel(a_desc, a_ptr, stride_am, b_desc, c_ptr, c_scale_ptr
                          stride_csm, stride_asm, stride_bse, stride_bsn, stride_wt, stride_wk, WG_ROWS, SCALES,
                          FUSE_ACT, ACTIVATION, OUT_GROUP, MUL_WEIGHT, C_SORTED, A_GATHER, A_ROW_DIV, BLOCK_M, BLOCK_N,
                          BLOCK_K, GROUP_M, STAGES)),
-        (_fp8_loader, (a_desc, a_ptr, stride_am, b_desc, a_bufs, b_bufs, ready, empty, sorted_ids_ptr,
+        (ws_tile_loader, (a_desc, a_ptr, stride_am, b_desc, a_bufs, b_bufs, ready, empty, sorted_ids_ptr,
                        block_expert_ptr, num_post_padded_ptr, num_routes, N, K, b_rows_per_expert, FUSE_ACT,
                        A_GATHER, A_ROW_DIV, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES)),
     ], [4, LOADER_WARPS], [CONSUMER_NUM_REGS, LOADER_NUM_REGS])
