@@ -3,12 +3,14 @@ from __future__ import annotations
 
 import sys
 import time
-from typing import TextIO
+from typing import Optional, TextIO
 
 
 class ProgressBar:
-    def __init__(self, total: int, label: str, stream: TextIO = sys.stderr, width: int = 30) -> None:
-        self.total, self.label, self.stream, self.width = total, label, stream, width
+    def __init__(self, total: int, label: str, stream: Optional[TextIO] = None, width: int = 30) -> None:
+        # stderr as it is now, not as it was when this module was imported (a test's captured stream may be gone)
+        self.total, self.label, self.width = total, label, width
+        self.stream = stream if stream is not None else sys.stderr
         self.done = 0
         self.start = time.monotonic()
         self._draw("")
