@@ -6,7 +6,7 @@ from typing import Optional
 import torch
 
 from moe_modular.method import FusedMoEMethodBase
-from moe_modular.quant import FP8_DTYPE, MoEQuantParams, quantize_weights
+from moe_modular.quant import FP8_DTYPE, MoEQuantParams, quantize_weights, weight_scale_shape
 
 
 class Fp8MoEMethod(FusedMoEMethodBase):
@@ -25,13 +25,10 @@ class Fp8MoEMethod(FusedMoEMethodBase):
                                               requires_grad=False)
         layer.w2_weight = torch.nn.Parameter(torch.empty(El, K, N, dtype=FP8_DTYPE, device=device),
                                              requires_grad=False)
-        # Scale shapes follow the scheme; quantizing a zero tensor of the right shape gives them.
-        s13 = quantize_weights(torch.zeros(1, 2 * N, K), m.quant)[1]
-        s2 = quantize_weights(torch.zeros(1, K, N), m.quant)[1]
         layer.w13_weight_scale = torch.nn.Parameter(
-            torch.ones((El,) + tuple(s13.shape[1:]), dtype=torch.float32, device=device), requires_grad=False)
+            torch.ones(weight_scale_shape(m.quant, El, 2 * N, K), dtype=torch.float32, device=device), requires_grad=False)
         layer.w2_weight_scale = torch.nn.Parameter(
-            torch.ones((El,) + tuple(s2.shape[1:]), dtype=torch.float32, device=device), requires_grad=False)
+            torch.ones(weight_scale_shape(m.quant, El, K, N), dtype=torch.float32, device=device), requires_grad=False)
         if m.quant.static_activation_scale:
             layer.a13_scale = torch.nn.Parameter(torch.ones(1, device=device), requires_grad=False)
             layer.a2_scale = torch.nn.Parameter(torch.ones(1, device=device), requires_grad=False)

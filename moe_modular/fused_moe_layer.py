@@ -81,7 +81,6 @@ class FusedMoE(torch.nn.Module):
         method.create_weights(self, device)
         self.weights_loaded = False  # create_weights leaves the expert weights uninitialised
 
-
     def load_weights(self, w13_EN2K: torch.Tensor, w2_EKN: torch.Tensor, **scales) -> None:
         """This rank's expert weights in high precision, (El, 2N, K) and (El, K, N)."""
         self.method.load_weights(self, w13_EN2K, w2_EKN, **scales)

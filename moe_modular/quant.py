@@ -256,14 +256,7 @@ class MoEQuantParams:
         if not cfg.is_quantized:
             return
         for name, w, scale in (("w1", w1, self.w1_scale), ("w2", w2, self.w2_scale)):
-            E, No, Ko = w.shape
-            if cfg.weight is WeightQuant.PER_TENSOR:
-                want_shape = (E,)
-            elif cfg.weight is WeightQuant.PER_CHANNEL:
-                want_shape = (E, No, 1)
-            else:
-                bn, bk = cfg.block_shape
-                want_shape = (E, -(-No // bn), -(-Ko // bk))
+            want_shape = weight_scale_shape(cfg, *w.shape)
             if tuple(scale.shape) != want_shape:
                 raise ValueError(f"{name}_scale shape {tuple(scale.shape)} must be {want_shape} for {name} "
                                  f"{tuple(w.shape)} under scheme {cfg.name}")
@@ -272,6 +265,19 @@ class MoEQuantParams:
 
 
 # ---- torch helpers ----------------------------------------------------------------
+
+def weight_scale_shape(config: QuantConfig, E: int, No: int, Ko: int) -> tuple[int, ...]:
+    """The scale shape of stacked weights (E, No, Ko) under a quantized scheme (module docstring): (E,) per-tensor,
+    (E, No, 1) per-channel, (E, ceil(No / Bn), ceil(Ko / Bk)) block."""
+    if config.weight is WeightQuant.PER_TENSOR:
+        return (E,)
+    if config.weight is WeightQuant.PER_CHANNEL:
+        return (E, No, 1)
+    if config.weight is WeightQuant.BLOCK:
+        bn, bk = config.block_shape
+        return (E, -(-No // bn), -(-Ko // bk))
+    raise ValueError(f"weight_scale_shape: scheme {config.name} has no weight scales")
+
 
 def scale_from_amax(amax: torch.Tensor) -> torch.Tensor:
     """The fp8 scale of an amax: max(amax, 1e-12) / 448, correctly rounded on every device, as the

@@ -839,7 +839,7 @@ def _fp8_ws_case(**over):
     fp8 = torch.float8_e4m3fn
     El, No, Ko, R = 2, 256, 384, 40
     args = dict(tile=FP8_WS_TILE, a=torch.empty(R, Ko, dtype=fp8), b_ENK=torch.empty(El, No, Ko, dtype=fp8),
-                c=torch.empty(R, No, dtype=torch.bfloat16), standard=True, a_sorted=False,
+                c=torch.empty(R, No, dtype=torch.bfloat16), standard=True,
                 a_scale=torch.empty(R, Ko // 128), a_scale_mode=AScale.GROUP,
                 b_scale=torch.empty(El, No // 128, Ko // 128), b_scale_mode=BScale.BLOCK, group_shape=(128, 128),
                 fused=False, c_group=0)

@@ -143,6 +143,7 @@ def _single_gpu_worker(pgi, sink_path: str) -> None:
             return "PASS: " + ", ".join(f"M={r.M} error {r.error:.2e} (tol {r.tolerance:.2e})" for r in results)
 
         ok &= _check(f"DeepEP low-latency on 1 rank, {name}", ll_one_rank, sink)
+
     def ll_receive_hook() -> str:
         # shared experts run while the dispatch is in flight: prepare_no_receive issues DeepEP's sends and the
         # receiver runs its receive hook (counted); routed output against the oracle, shared output exact

@@ -84,14 +84,9 @@ def yardstick_us(M: int, topk: int, K: int, N: int, prefer_blockwise: bool, time
     fn, scaling = dense_pair(R, K, N, timer.device, prefer_blockwise)
     if fn is None:
         return None, scaling
-    graph = torch.cuda.CUDAGraph()
-    stream = torch.cuda.Stream(timer.device)
-    stream.wait_stream(torch.cuda.current_stream(timer.device))
-    with torch.cuda.stream(stream):
-        fn()
-    torch.cuda.current_stream(timer.device).wait_stream(stream)
-    with torch.cuda.graph(graph):
-        fn()
+    from tools.benchmark_moe import capture_graph
+
+    graph = capture_graph([fn], timer.device)
     us = timer.median_s(graph.replay) * 1e6
     del graph
     return us, scaling

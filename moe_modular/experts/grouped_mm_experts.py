@@ -145,7 +145,7 @@ class GroupedMMExperts(FusedMoEExpertsModular):
 
         # 1. the local expert of each route; not held -> the last group (zero weight below).
         ids_R = local_route_ids(topk_ids.reshape(-1), expert_map, El)  # out of range: -1, not held
-        held_R = (ids_R >= 0) & (ids_R < El)
+        held_R = ids_R >= 0
         key_R = torch.where(held_R, ids_R, El - 1)
         key_sorted_R, order_R = torch.sort(key_R, stable=True)
         # 2. end offsets: routes with a key below e + 1; the last group ends at R.

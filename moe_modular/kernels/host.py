@@ -42,14 +42,22 @@ def _capability_major(index: int) -> int:
 GLUON_CHECKED_TRITON = ("3.6",)
 
 
+def triton_release_checked(triton_version: str, checked: tuple[str, ...], warning: str) -> bool:
+    """Whether `triton_version`'s major.minor is in `checked`; where not, warns `warning` (callers memoize the
+    answer per version, so each warns once)."""
+    if ".".join(triton_version.split(".")[:2]) in checked:
+        return True
+    import warnings
+
+    warnings.warn(warning, RuntimeWarning, stacklevel=4)
+    return False
+
+
 @functools.lru_cache(maxsize=None)
 def gluon_kernels_enabled(triton_version: str) -> bool:
     """Whether tile.ws runs the Gluon kernels under this Triton (major.minor in GLUON_CHECKED_TRITON); elsewhere the
     Triton kernel runs with the same values, and one warning says so."""
-    if ".".join(triton_version.split(".")[:2]) in GLUON_CHECKED_TRITON:
-        return True
-    import warnings
-
-    warnings.warn(f"tile.ws: the warp-specialized Gluon kernels are checked on Triton {list(GLUON_CHECKED_TRITON)}; "
-                  f"Triton {triton_version} runs the Triton kernel instead (same values)", RuntimeWarning, stacklevel=3)
-    return False
+    return triton_release_checked(
+        triton_version, GLUON_CHECKED_TRITON,
+        f"tile.ws: the warp-specialized Gluon kernels are checked on Triton {list(GLUON_CHECKED_TRITON)}; "
+        f"Triton {triton_version} runs the Triton kernel instead (same values)")

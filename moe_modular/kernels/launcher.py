@@ -123,13 +123,12 @@ _MISSING = object()
 @functools.lru_cache(maxsize=None)
 def direct_launch_enabled(triton_version: str) -> bool:
     """Whether the direct launch runs under this Triton release (DIRECT_CHECKED_TRITON); warns once where not."""
-    if ".".join(triton_version.split(".")[:2]) in DIRECT_CHECKED_TRITON:
-        return True
-    import warnings
+    from moe_modular.kernels.host import triton_release_checked
 
-    warnings.warn(f"moe_modular's direct kernel launch is checked on Triton {list(DIRECT_CHECKED_TRITON)}; under "
-                  f"Triton {triton_version} every launch takes Triton's own path", RuntimeWarning, stacklevel=3)
-    return False
+    return triton_release_checked(
+        triton_version, DIRECT_CHECKED_TRITON,
+        f"moe_modular's direct kernel launch is checked on Triton {list(DIRECT_CHECKED_TRITON)}; under "
+        f"Triton {triton_version} every launch takes Triton's own path")
 
 
 def launch(kernel, grid: tuple, *args, **kw) -> None:

@@ -384,13 +384,14 @@ _FP8_WS_SCALES = {(AScale.GROUP, BScale.BLOCK): "BLOCK", (AScale.ROW, BScale.CHA
 
 
 def fp8_ws_scales(tile: GemmTile, a: torch.Tensor, b_ENK: torch.Tensor, c: torch.Tensor, *, standard: bool,
-                  a_sorted: bool, a_scale: Optional[torch.Tensor], a_scale_mode: AScale,
+                  a_scale: Optional[torch.Tensor], a_scale_mode: AScale,
                   b_scale: Optional[torch.Tensor], b_scale_mode: BScale, group_shape: tuple[int, int],
                   fused: bool, c_group: int) -> Optional[str]:
     """The Fp8Scales name moe_gemm runs `tile` with in the fp8 warp-specialized kernel, or None where it does not:
     tile.ws on a Hopper-class GPU, the standard format, fp8 e4m3 A and B with 1 x 128 / 128 x 128 block scales or
     per-row / per-channel scales, the tile FP8_WS_TILE with FP8_WS_WARPS warps, Ko a multiple of 128 (whole K
-    steps), B contiguous and TMA-addressable, scales unit-strided along K; fused: block scales, N a multiple of
+    steps), A and B TMA-addressable (sorted A loads by TMA, gathered A in 16-byte vectors), B contiguous, scales
+    unit-strided along K; fused: block scales, N a multiple of
     128 and the output quantized in 1 x 128 groups; else a 16-bit or float32 output."""
     if not (tile.ws and standard and gpu_has_tma(a.device)) or not gluon_kernels_enabled(triton.__version__):
         return None
@@ -560,8 +561,8 @@ def moe_gemm(
                            topk_weights_Tk=topk_weights_Tk,
                            activation_code=None if fuse_activation is None else _ACT_CODE[fuse_activation],
                            c_sorted=c_sorted)
-    fp8_scales = fp8_ws_scales(tile, a, b_ENK, c, standard=sorted_ids_S is not None, a_sorted=a_sorted,
-                               a_scale=a_scale, a_scale_mode=a_scale_mode, b_scale=b_scale, b_scale_mode=b_scale_mode,
+    fp8_scales = fp8_ws_scales(tile, a, b_ENK, c, standard=sorted_ids_S is not None, a_scale=a_scale,
+                               a_scale_mode=a_scale_mode, b_scale=b_scale, b_scale_mode=b_scale_mode,
                                group_shape=group_shape, fused=fuse_activation is not None, c_group=c_group)
     if fp8_scales is not None:
         from moe_modular.kernels.moe_gemm_ws_fp8 import Fp8Scales, moe_gemm_ws_fp8

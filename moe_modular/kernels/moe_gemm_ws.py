@@ -36,7 +36,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from moe_modular.kernels.act_and_mul import _ACT_SILU
-from moe_modular.kernels.ws_common import ws_tile_loader, ws_tile_order
+from moe_modular.kernels.ws_common import ws_store_rows, ws_tile_loader, ws_tile_order
 
 
 # Shared memory a program may fill with its stage ring (Hopper: 227 KiB per block; the rest stays for the
@@ -148,13 +148,7 @@ def _ws_storer(c_smem, c_ready, c_empty, c_ptr, sorted_ids_ptr, num_post_padded_
         for r in gl.static_range(0, BLOCK_M, STORE_ROWS):
             out = c_smem.slice(r, STORE_ROWS).load(layout)
             offs_m = pid_m * BLOCK_M + r + gl.arange(0, STORE_ROWS, layout=gl.SliceLayout(1, layout))
-            sid = gl.load(sorted_ids_ptr + offs_m)
-            if C_SORTED:
-                out_row = offs_m.to(gl.int64)
-            else:
-                out_row = sid.to(gl.int64)
-            gl.store(c_ptr + out_row[:, None] * stride_cm + offs_n[None, :], out,
-                     mask=(sid < num_routes)[:, None] & (offs_n[None, :] < N))
+            ws_store_rows(c_ptr, out, offs_m, offs_n, sorted_ids_ptr, num_routes, N, stride_cm, C_SORTED)
         mbarrier.arrive(c_empty)
         t += 1
 

@@ -37,13 +37,12 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from moe_modular.kernels.act_and_mul import _ACT_SILU, _FP8_MAX, _MIN_AMAX
-from moe_modular.kernels.ws_common import rows_layout, ws_tile_loader, ws_tile_order
+from moe_modular.kernels.moe_gemm import FP8_WS_TILE
+from moe_modular.kernels.ws_common import rows_layout, ws_store_rows, ws_tile_loader, ws_tile_order
 
 # The tile: 128 rows (two consumer warpgroups of 64), 128 output columns (one weight scale block, one
 # activation group of the re-quantized output), K steps of 128 (one activation scale group).
-FP8_WS_BLOCK_M = 128
-FP8_WS_BLOCK_N = 128
-FP8_WS_BLOCK_K = 128
+FP8_WS_BLOCK_M, FP8_WS_BLOCK_N, FP8_WS_BLOCK_K = FP8_WS_TILE  # what moe_gemm.fp8_ws_scales selects the kernel for
 WG_ROWS: gl.constexpr = gl.constexpr(64)
 # Shared memory of a block on Hopper (227 KiB), less what the barriers and the compiler's own use take; the
 # stage ring gets what the two epilogues' layout conversions (a 64 x 128 output tile each) leave.
@@ -202,14 +201,8 @@ def _fp8_consumer(a_bufs, b_bufs, ready, empty, c_ptr, c_scale_ptr, a_scale_ptr,
         # whole row segments: 16-byte vectors, a warp across a row
         out = gl.convert_layout(acc.to(c_ptr.dtype.element_ty), store_layout)
         st_m = pid_m * BLOCK_M + ROW0 + gl.arange(0, WG_ROWS, layout=gl.SliceLayout(1, store_layout))
-        st_sid = gl.load(sorted_ids_ptr + st_m)
-        if C_SORTED:
-            st_row = st_m.to(gl.int64)
-        else:
-            st_row = st_sid.to(gl.int64)
         st_n = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, store_layout))
-        gl.store(c_ptr + st_row[:, None] * stride_cm + st_n[None, :], out,
-                 mask=(st_sid < num_routes)[:, None] & (st_n[None, :] < N))
+        ws_store_rows(c_ptr, out, st_m, st_n, sorted_ids_ptr, num_routes, N, stride_cm, C_SORTED)
 
 
 @gluon.jit

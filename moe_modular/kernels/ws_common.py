@@ -1,5 +1,5 @@
 """What the warp-specialized Gluon GEMMs (moe_gemm_ws.py, moe_gemm_ws_fp8.py) share: the persistent tile order,
-the row layout of 16-byte vectors and the loader partition."""
+the row layout of 16-byte vectors, the loader partition and the store of output rows."""
 from __future__ import annotations
 
 from triton.experimental import gluon
@@ -73,3 +73,16 @@ def ws_tile_loader(a_desc, a_ptr, stride_am, b_desc, a_bufs, b_bufs, ready, empt
             else:
                 tma.async_copy_global_to_shared(b_desc, [b_row, kk * BLOCK_K], ready.index(s), b_bufs.index(s))
             i += 1
+
+
+@gluon.jit
+def ws_store_rows(c_ptr, out, offs_m, offs_n, sorted_ids_ptr, num_routes, N, stride_cm, C_SORTED: gl.constexpr):
+    """Store out (entries offs_m of the sorted order x columns offs_n, in out's layout) at the route rows, or
+    (C_SORTED) at the sorted rows; padding entries and columns past N are not written."""
+    sid = gl.load(sorted_ids_ptr + offs_m)
+    if C_SORTED:
+        out_row = offs_m.to(gl.int64)
+    else:
+        out_row = sid.to(gl.int64)
+    gl.store(c_ptr + out_row[:, None] * stride_cm + offs_n[None, :], out,
+             mask=(sid < num_routes)[:, None] & (offs_n[None, :] < N))
