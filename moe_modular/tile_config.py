@@ -44,6 +44,9 @@ _TILE_FIELDS = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "num_warps", "num_st
                 "persistent", "ws", "pdl")
 _FLAG_FIELDS = ("b_tma", "a_tma", "act_q", "ws", "pdl")  # 0 / 1, listed in tables only where 1
 _OFF_BY_DEFAULT = _FLAG_FIELDS + ("persistent",)  # 0 = off; listed in tables only where set
+# Table names (device_name) of Hopper-class GPUs: there the default heuristic's compute-bound tiles are the ones
+# the tuned tables chose on the H100 and H200, the warp-specialized kernels included.
+HOPPER_DEVICE_PREFIXES = ("NVIDIA_H100", "NVIDIA_H200", "NVIDIA_H800", "NVIDIA_H20", "NVIDIA_GH200")
 
 
 def device_name(device: torch.device) -> str:
@@ -135,8 +138,8 @@ def default_tile_config(M: int, E: int, N: int, K: int, topk: int, dtype: torch.
     """Heuristic tiles from the average tokens per expert, M * topk / E (E local experts).
 
     Small batches stream weights (narrow BLOCK_M, deep BLOCK_K, many column tiles); large ones
-    are compute-bound (128-row tiles, grouped ordering for L2 reuse). Under the CPU interpreter
-    the fewest, largest tiles run fastest.
+    are compute-bound (128-row tiles, grouped ordering for L2 reuse; on Hopper the warp-specialized
+    tiles of hopper_compute_tile). Under the CPU interpreter the fewest, largest tiles run fastest.
     """
     fp8 = quant.is_quantized
     if device == CPU_DEVICE_NAME:
@@ -155,6 +158,9 @@ def default_tile_config(M: int, E: int, N: int, K: int, topk: int, dtype: torch.
         elif per_expert <= 96:
             base = GemmTile(64, 128, bk, 8, 4, 4)
         else:  # compute-bound: the widest tiles that fit shared memory
+            hopper = hopper_compute_tile(dtype, quant, device)
+            if hopper is not None:
+                return hopper
             base = GemmTile(128, 256 if not fp8 else 128, bk, 8, 8, 3)
         if dtype == torch.float32:
             base = replace(base, num_stages=min(base.num_stages, 3))
@@ -162,6 +168,25 @@ def default_tile_config(M: int, E: int, N: int, K: int, topk: int, dtype: torch.
     if quant.is_block:
         cfg = cfg.with_block_k_limit(quant.block_shape[1])
     return cfg
+
+
+def hopper_compute_tile(dtype: torch.dtype, quant: QuantConfig, device: str) -> Optional[TileConfig]:
+    """The compute-bound tiles the H100 and H200 tables chose (M * topk / E above 96) for 16-bit activations
+    unquantized, fp8 per-token and fp8 128 x 128 blocks, on a Hopper-class device; None elsewhere. Where the
+    warp-specialized kernel does not cover a launch (another Triton release, a non-standard format), the same
+    tile runs in the tl.dot kernel."""
+    if not device.startswith(HOPPER_DEVICE_PREFIXES) or dtype not in (torch.bfloat16, torch.float16):
+        return None
+    if not quant.is_quantized:
+        tile = GemmTile(128, 256, 64, 8, 8, 4, a_tma=1, ws=1)
+        return TileConfig(tile, tile)
+    if quant == QuantConfig.fp8_block((128, 128)):
+        gemm1 = GemmTile(128, 256, 128, 8, 8, 3, act_q=1, ws=1)
+        return TileConfig(gemm1, replace(gemm1, BLOCK_N=128))
+    if quant == QuantConfig.fp8_per_token():
+        tile = GemmTile(128, 128, 128, 8, 8, 3, ws=1)
+        return TileConfig(tile, tile)
+    return None
 
 
 @dataclass(frozen=True)

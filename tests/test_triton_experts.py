@@ -611,3 +611,23 @@ def test_the_default_forward_captures_in_a_cuda_graph(c: Case):
     assert torch.isfinite(out).all(), "a row of the output was not written"
     err = ((out.float() - ref).norm() / ref.norm()).item()
     assert err <= tolerance(c.dtype, c.quant), f"relative error {err:.3e}"
+
+
+@pytest.mark.parametrize("quant,ws_gemm1", [
+    (QuantConfig(), GemmTile(128, 256, 64, 8, 8, 4, a_tma=1, ws=1)),
+    (QuantConfig.fp8_per_token(), GemmTile(128, 128, 128, 8, 8, 3, ws=1)),
+    (QuantConfig.fp8_block((128, 128)), GemmTile(128, 256, 128, 8, 8, 3, act_q=1, ws=1)),
+])
+def test_default_tiles_take_the_warp_specialized_kernel_on_hopper_when_compute_bound(quant, ws_gemm1):
+    # Untuned shapes (Qwen3-235B, DeepSeek-V3 at EP8) get the tuned tables' compute-bound choice on Hopper
+    # from 97 rows per expert; below that, and on other GPUs, the tl.dot tiles stay.
+    E, N, K, topk = 32, 2048, 7168, 8
+    for dev in ("NVIDIA_H100_80GB_HBM3", "NVIDIA_H200"):
+        big = default_tile_config(4096, E, N, K, topk, torch.bfloat16, quant, dev)
+        assert big.gemm1 == ws_gemm1 and big.gemm2.ws == 1 and big.gemm2.BLOCK_M == 128
+        assert not default_tile_config(256, E, N, K, topk, torch.bfloat16, quant, dev).gemm1.ws
+    for dev in ("NVIDIA_A100-SXM4-80GB", "cpu"):
+        assert not default_tile_config(4096, E, N, K, topk, torch.bfloat16, quant, dev).gemm1.ws
+    # schemes the Hopper tiles were not chosen for keep the generic ones
+    for other in (QuantConfig.fp8_per_tensor(), QuantConfig.fp8_block((128, 32))):
+        assert not default_tile_config(4096, E, N, K, topk, torch.bfloat16, other, "NVIDIA_H200").gemm1.ws

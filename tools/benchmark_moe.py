@@ -59,7 +59,11 @@ SHAPES: dict[str, Shape] = {
     "mixtral": Shape("Mixtral-8x7B", 8, 4096, 14336, 2),
     "qwen3": Shape("Qwen3-30B-A3B", 128, 2048, 768, 8),
     "deepseek-v3": Shape("DeepSeek-V3", 256, 7168, 2048, 8),
+    # Shapes without tuned tables, run only when named: they show the default heuristic's tiles.
+    "qwen3-235b": Shape("Qwen3-235B-A22B", 128, 4096, 1536, 8),
+    "deepseek-v3-ep8": Shape("DeepSeek-V3 EP8 (one rank's experts)", 32, 7168, 2048, 8),
 }
+DEFAULT_SHAPES = ["mixtral", "qwen3", "deepseek-v3"]
 SMOKE_SHAPES: dict[str, Shape] = {
     "tiny": Shape("tiny", 8, 64, 32, 2),
     "tiny-e16": Shape("tiny-e16", 16, 128, 64, 4),
@@ -690,10 +694,11 @@ def plot_path(path: str, quant: str) -> str:
 
 def resolve_shapes_and_quants(p: argparse.ArgumentParser, args, smoke_default: Sequence[str] = ()) -> dict:
     """The shape table for args.smoke (SMOKE_SHAPES or SHAPES); args.shapes defaults to smoke_default
-    under --smoke (else every shape of the table). A name in args.shapes or args.quant outside its
+    under --smoke (else DEFAULT_SHAPES, the tuned ones). A name in args.shapes or args.quant outside its
     table is a parser error that names the allowed ones."""
     shapes = SMOKE_SHAPES if args.smoke else SHAPES
-    args.shapes = args.shapes or (list(smoke_default) if args.smoke and smoke_default else list(shapes))
+    default = (list(smoke_default) or list(shapes)) if args.smoke else DEFAULT_SHAPES
+    args.shapes = args.shapes or list(default)
     for s in args.shapes:
         if s not in shapes:
             p.error(f"--shapes ({s!r}) must be one of {list(shapes)}")
@@ -705,7 +710,7 @@ def resolve_shapes_and_quants(p: argparse.ArgumentParser, args, smoke_default: S
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--shapes", nargs="+", help=f"subset of {list(SHAPES)} (smoke: {list(SMOKE_SHAPES)})")
+    p.add_argument("--shapes", nargs="+", help=f"subset of {list(SHAPES)} (default {DEFAULT_SHAPES}; smoke: {list(SMOKE_SHAPES)})")
     p.add_argument("-m", "--m", dest="ms", type=int, nargs="+", help=f"token counts (default {BENCH_MS})")
     p.add_argument("--quant", nargs="+", default=["bf16"], help=f"schemes, of {list(QUANTS)}")
     p.add_argument("--experts", nargs="+", default=DEFAULT_EXPERTS,
