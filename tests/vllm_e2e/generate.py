@@ -1,11 +1,16 @@
 """Greedy offline generation with vLLM on the CPU; writes tokens, logprobs and kernel stats as JSON.
 
-    python -m tests.vllm_e2e.generate MODEL_DIR OUT_JSON [--tp 2] [--enable-expert-parallel]
+    python -m tests.vllm_e2e.generate MODEL_DIR OUT_JSON [--tp 2] [--enable-expert-parallel] [--dtype bfloat16]
+    python -m tests.vllm_e2e.generate MODEL_DIR OUT_JSON --score RUN_JSON [--dtype bfloat16]
 
 Whether moe-modular runs is decided by MOE_MODULAR_ENABLE in the environment (the plugin reads it
 in every vLLM process). The JSON holds, per prompt, the generated token ids and the top
 logprobs of each step, and per worker the counts of `kernel_stats` (layers on moe-modular's
 kernel, layers on vLLM's, forwards served by moe-modular).
+
+--score RUN_JSON scores another run's sequences (prompt + generated tokens) with this model instead of
+generating (teacher forcing): per generated position, the logprob of the token that run chose and this
+model's best logprob there.
 """
 from __future__ import annotations
 
@@ -38,12 +43,35 @@ def set_cpu_env(world_size: int) -> None:
         os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", cpu_bind_for_workers(world_size))
 
 
+def score(llm, run_json: str) -> list[dict]:
+    """Teacher-forced logprobs of another run's generated tokens under this model (module docstring)."""
+    from vllm import SamplingParams
+
+    with open(run_json) as f:
+        run = json.load(f)["results"]
+    seqs = [{"prompt_token_ids": r["prompt_token_ids"] + r["token_ids"]} for r in run]
+    outs = llm.generate(seqs, SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=LOGPROBS))
+    results = []
+    for r, o in zip(run, outs):
+        n = len(r["prompt_token_ids"])
+        chosen, best = [], []
+        for pos, tok in enumerate(r["token_ids"], start=n):
+            step = o.prompt_logprobs[pos]
+            chosen.append(step[tok].logprob)
+            best.append(max(lp.logprob for lp in step.values()))
+        results.append({"prompt": r["prompt"], "token_ids": r["token_ids"], "chosen_logprobs": chosen,
+                        "best_logprobs": best})
+    return results
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("model")
     ap.add_argument("out")
     ap.add_argument("--tp", type=int, default=1)
     ap.add_argument("--enable-expert-parallel", action="store_true")
+    ap.add_argument("--dtype", default="float32", help="vLLM's model dtype (fp8 checkpoints: bfloat16)")
+    ap.add_argument("--score", metavar="RUN_JSON", help="score the sequences of this run instead of generating")
     a = ap.parse_args()
     set_cpu_env(a.tp)
     # apply_model sends kernel_stats to the workers by pickle, which vLLM allows only when asked.
@@ -54,17 +82,21 @@ def main() -> None:
 
     from moe_modular.integrations.vllm import kernel_stats
 
-    llm = LLM(model=a.model, dtype="float32", max_model_len=256, enforce_eager=True, seed=0,
+    llm = LLM(model=a.model, dtype=a.dtype, max_model_len=256, enforce_eager=True, seed=0,
               tensor_parallel_size=a.tp, enable_expert_parallel=a.enable_expert_parallel)
     t1 = time.monotonic()
-    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, logprobs=LOGPROBS, ignore_eos=True)
-    outs = llm.generate(list(PROMPTS), params)
+    if a.score:
+        results = score(llm, a.score)
+    else:
+        params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, logprobs=LOGPROBS, ignore_eos=True)
+        outs = llm.generate(list(PROMPTS), params)
+        results = []
+        for o in outs:
+            c = o.outputs[0]
+            steps = [{str(tok): lp.logprob for tok, lp in step.items()} for step in (c.logprobs or [])]
+            results.append({"prompt": o.prompt, "prompt_token_ids": list(o.prompt_token_ids),
+                            "token_ids": list(c.token_ids), "text": c.text, "logprobs": steps})
     t2 = time.monotonic()
-    results = []
-    for o in outs:
-        c = o.outputs[0]
-        steps = [{str(tok): lp.logprob for tok, lp in step.items()} for step in (c.logprobs or [])]
-        results.append({"prompt": o.prompt, "token_ids": list(c.token_ids), "text": c.text, "logprobs": steps})
     record = {
         "moe_modular_enable": os.environ.get("MOE_MODULAR_ENABLE", ""),
         "tp": a.tp,
