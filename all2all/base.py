@@ -27,7 +27,7 @@ from typing import Any, Callable, ClassVar, Generic, Mapping, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from moe_modular.workspace import WorkspaceCache
+from all2all.buffers import WorkspaceCache
 
 T = TypeVar("T")
 

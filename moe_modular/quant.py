@@ -19,10 +19,9 @@ from typing import Optional
 
 import torch
 
-FP8_DTYPE = torch.float8_e4m3fn
-FP8_MAX = float(torch.finfo(FP8_DTYPE).max)  # 448.0
+from moe_modular.fp8_format import FP8_DTYPE, FP8_MAX, MIN_AMAX
+
 # Smallest amax used when computing a scale, so an all-zero row gets a finite scale.
-_MIN_AMAX = 1e-12
 
 
 class QuantDtype(enum.Enum):
@@ -284,7 +283,7 @@ def scale_from_amax(amax: torch.Tensor) -> torch.Tensor:
     kernels compute it. (The divisor is a tensor: torch on CUDA turns a division by a Python scalar into
     a multiplication by its reciprocal, which can be a last bit off; one scale a bit off moves the
     rounding of its whole row or group, and the oracle then disagrees with the kernels.)"""
-    a = amax.float().clamp(min=_MIN_AMAX)
+    a = amax.float().clamp(min=MIN_AMAX)
     return (a / torch.full_like(a, FP8_MAX)).to(torch.float32)
 
 

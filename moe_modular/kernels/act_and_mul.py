@@ -13,12 +13,19 @@ import torch
 import triton
 import triton.language as tl
 
+from moe_modular.config import Activation
+from moe_modular.fp8_format import FP8_DTYPE
+from moe_modular.kernels.common import (
+    ACT_GELU,
+    ACT_SILU,
+    ACT_SWIGLU_OAI,
+    finite_abs,
+    local_expert_of_route,
+    scale_of,
+    to_fp8,
+)
 from moe_modular.kernels.host import cdiv, next_pow2
 from moe_modular.kernels.launcher import launch
-
-from moe_modular.config import Activation
-from moe_modular.kernels.moe_align import _local_expert_of_route
-from moe_modular.quant import FP8_DTYPE, FP8_MAX
 
 TARGET_PROGRAMS = 4096  # a GPU launch spreads smaller batches over at least this many programs (act_blocks)
 SWIGLU_OAI_ALPHA = 1.702
@@ -62,7 +69,9 @@ class RowMode(enum.Enum):
     BATCHED = 2  # row r is slot r % Bt of expert r // Bt; held when below expert_num_tokens
 
 
-_ACT_CODE: dict[Activation, int] = {Activation.SILU: 0, Activation.GELU: 1, Activation.SWIGLU_OAI: 2}
+# moe_modular.config.Activation -> the kernels' activation code (kernels/common.py)
+ACT_CODE: dict[Activation, int] = {Activation.SILU: ACT_SILU.value, Activation.GELU: ACT_GELU.value,
+                                   Activation.SWIGLU_OAI: ACT_SWIGLU_OAI.value}
 # Activations the first GEMM can apply in its epilogue (gate and up are contiguous halves of w1).
 GEMM_FUSABLE_ACTIVATIONS = (Activation.SILU, Activation.GELU)
 _Q_CODE: dict[IntermediateQuant, int] = {IntermediateQuant.NONE: 0, IntermediateQuant.TENSOR_STATIC: 1,
@@ -70,9 +79,6 @@ _Q_CODE: dict[IntermediateQuant, int] = {IntermediateQuant.NONE: 0, Intermediate
                                          IntermediateQuant.GROUP: 5}
 _Q_AMAX_PASS = 2  # the first pass of TENSOR_DYNAMIC: per-expert amax only
 
-_ACT_SILU: tl.constexpr = tl.constexpr(0)
-_ACT_GELU: tl.constexpr = tl.constexpr(1)
-_ACT_SWIGLU_OAI: tl.constexpr = tl.constexpr(2)
 _Q_NONE: tl.constexpr = tl.constexpr(0)
 _Q_STATIC: tl.constexpr = tl.constexpr(1)
 _Q_AMAX: tl.constexpr = tl.constexpr(2)
@@ -81,8 +87,6 @@ _Q_TOKEN: tl.constexpr = tl.constexpr(4)
 _Q_GROUP: tl.constexpr = tl.constexpr(5)
 _ROWS_ROUTES: tl.constexpr = tl.constexpr(1)
 _ROWS_BATCHED: tl.constexpr = tl.constexpr(2)
-_FP8_MAX: tl.constexpr = tl.constexpr(FP8_MAX)
-_MIN_AMAX: tl.constexpr = tl.constexpr(1e-12)
 _OAI_ALPHA: tl.constexpr = tl.constexpr(SWIGLU_OAI_ALPHA)
 _OAI_LIMIT: tl.constexpr = tl.constexpr(SWIGLU_OAI_LIMIT)
 
@@ -90,7 +94,7 @@ _OAI_LIMIT: tl.constexpr = tl.constexpr(SWIGLU_OAI_LIMIT)
 @triton.jit
 def _act_tile(x_row_ptrs, offs_n, mask, N, stride_xn, ACTIVATION: tl.constexpr):
     """act(gate) * up in float32 for columns offs_n of the rows at x_row_ptrs (BLOCK_R, 1)."""
-    if ACTIVATION == _ACT_SWIGLU_OAI:
+    if ACTIVATION == ACT_SWIGLU_OAI:
         g = tl.load(x_row_ptrs + (2 * offs_n)[None, :] * stride_xn, mask=mask, other=0.0).to(tl.float32)
         u = tl.load(x_row_ptrs + (2 * offs_n + 1)[None, :] * stride_xn, mask=mask, other=0.0).to(tl.float32)
         g = tl.minimum(g, _OAI_LIMIT)
@@ -106,34 +110,11 @@ def _act_tile(x_row_ptrs, offs_n, mask, N, stride_xn, ACTIVATION: tl.constexpr):
 @triton.jit
 def gated_act(g, u, ACTIVATION: tl.constexpr):
     """act(g) * u in float32 for SiLU or GELU (the contiguous gate | up layout)."""
-    if ACTIVATION == _ACT_SILU:
+    if ACTIVATION == ACT_SILU:
         h = g / (1.0 + tl.exp(-g)) * u
     else:
         h = 0.5 * g * (1.0 + tl.math.erf(g * 0.7071067811865476)) * u
     return h
-
-
-@triton.jit
-def _scale_of(amax):
-    """The fp8 scale of an amax, as quant.py computes it."""
-    a = tl.maximum(amax, _MIN_AMAX)
-    return tl.math.div_rn(a, tl.zeros_like(a) + _FP8_MAX)
-
-
-@triton.jit
-def _finite_abs(h):
-    """|h| where h is finite, else 0: the amax of a scale is over the finite elements (quant.finite_amax)."""
-    a = tl.abs(h)
-    return tl.where(a < float("inf"), a, 0.0)
-
-
-@triton.jit
-def _to_fp8(h, scale, out_dtype: tl.constexpr):
-    # Correctly rounded division (what torch computes), so fp8 rounding matches the oracle's; saturated; an element
-    # that is not finite becomes NaN (the GPU's min / max would turn NaN into a finite bound).
-    q = tl.math.div_rn(h, tl.zeros_like(h) + scale)
-    q = tl.minimum(tl.maximum(q, -_FP8_MAX), _FP8_MAX)
-    return tl.where(tl.abs(h) < float("inf"), q, float("nan")).to(out_dtype)
 
 
 @triton.jit
@@ -151,7 +132,7 @@ def _act_and_mul_kernel(
     c1 = tl.minimum(c0 + cols, N)
     rows = pid * BLOCK_R + tl.arange(0, BLOCK_R)
     if ROW_MODE == _ROWS_ROUTES:
-        expert, valid = _local_expert_of_route(topk_ids_ptr, expert_map_ptr, rows, num_rows, num_local_experts,
+        expert, valid = local_expert_of_route(topk_ids_ptr, expert_map_ptr, rows, num_rows, num_local_experts,
                                                num_map_entries, HAS_MAP)
     elif ROW_MODE == _ROWS_BATCHED:
         in_range = rows < num_rows
@@ -171,16 +152,16 @@ def _act_and_mul_kernel(
             offs_n = n0 + tl.arange(0, BLOCK_N)
             m = valid[:, None] & (offs_n[None, :] < N)
             h = _act_tile(x_rows, offs_n, m, N, stride_xn, ACTIVATION)
-            amax = tl.maximum(amax, tl.max(tl.where(m, _finite_abs(h), 0.0), axis=1))
+            amax = tl.maximum(amax, tl.max(tl.where(m, finite_abs(h), 0.0), axis=1))
         if QUANT == _Q_AMAX:
             tl.atomic_max(amax_ptr + expert, amax, mask=valid)
             return
-        row_scale = _scale_of(amax)
+        row_scale = scale_of(amax)
         tl.store(scale_ptr + rows64 * stride_sm, row_scale, mask=valid)
     if QUANT == _Q_STATIC:
         tensor_scale = tl.load(scale_ptr)
     if QUANT == _Q_EXPERT:
-        expert_scale = _scale_of(tl.load(amax_ptr + expert, mask=valid, other=1.0))
+        expert_scale = scale_of(tl.load(amax_ptr + expert, mask=valid, other=1.0))
         # the first column block stores the scale (the mask built as a row vector: some interpreters refuse a
         # scalar mask operand)
         tl.store(scale_ptr + expert, expert_scale, mask=valid & ((tl.zeros_like(expert) + c0) == 0))
@@ -192,15 +173,15 @@ def _act_and_mul_kernel(
         if QUANT == _Q_NONE:
             y = h.to(out_ptr.dtype.element_ty)
         elif QUANT == _Q_STATIC:
-            y = _to_fp8(h, tensor_scale, out_ptr.dtype.element_ty)
+            y = to_fp8(h, tensor_scale, out_ptr.dtype.element_ty)
         elif QUANT == _Q_EXPERT:
-            y = _to_fp8(h, expert_scale[:, None], out_ptr.dtype.element_ty)
+            y = to_fp8(h, expert_scale[:, None], out_ptr.dtype.element_ty)
         elif QUANT == _Q_TOKEN:
-            y = _to_fp8(h, row_scale[:, None], out_ptr.dtype.element_ty)
+            y = to_fp8(h, row_scale[:, None], out_ptr.dtype.element_ty)
         else:  # _Q_GROUP: BLOCK_N is the group size
-            group_scale = _scale_of(tl.max(tl.where(m, _finite_abs(h), 0.0), axis=1))
+            group_scale = scale_of(tl.max(tl.where(m, finite_abs(h), 0.0), axis=1))
             tl.store(scale_ptr + rows64 * stride_sm + (n0 // BLOCK_N) * stride_sn, group_scale, mask=valid)
-            y = _to_fp8(h, group_scale[:, None], out_ptr.dtype.element_ty)
+            y = to_fp8(h, group_scale[:, None], out_ptr.dtype.element_ty)
         tl.store(o_rows + offs_n[None, :] * stride_on, y, mask=m)
 
 
@@ -259,9 +240,9 @@ def act_and_mul(
     if N2 % 2:
         raise ValueError(f"x_RN2.size(1) ({N2}) must be even (gate and up halves)")
     N = N2 // 2
-    code = _ACT_CODE.get(activation)
+    code = ACT_CODE.get(activation)
     if code is None:
-        raise ValueError(f"activation ({activation!r}) must be one of {[a.value for a in _ACT_CODE]}")
+        raise ValueError(f"activation ({activation!r}) must be one of {[a.value for a in ACT_CODE]}")
     fp8 = quant is not IntermediateQuant.NONE
     if out_RN is None:
         out_RN = torch.empty((R, N), dtype=FP8_DTYPE if fp8 else x_RN2.dtype, device=x_RN2.device)

@@ -28,6 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
+from moe_modular.kernels.common import local_expert_of_route
 from moe_modular.kernels.host import cdiv, next_pow2
 from moe_modular.kernels.launcher import launch
 from moe_modular.routing import local_route_ids
@@ -81,25 +82,12 @@ def num_count_chunks(num_routes: int) -> int:
 
 
 @triton.jit
-def _local_expert_of_route(topk_ids_ptr, expert_map_ptr, offs, num_routes, num_local_experts, num_map_entries,
-                           HAS_MAP: tl.constexpr):
-    """Local expert of routes `offs` and whether it is held here (in [0, El)). With a map, an id outside
-    [0, num_map_entries) is not held (the map is never read out of bounds)."""
-    in_range = offs < num_routes
-    ids = tl.load(topk_ids_ptr + offs, mask=in_range, other=-1).to(tl.int32)
-    if HAS_MAP:
-        ids = tl.load(expert_map_ptr + ids, mask=in_range & (ids >= 0) & (ids < num_map_entries), other=-1).to(tl.int32)
-    valid = in_range & (ids >= 0) & (ids < num_local_experts)
-    return tl.where(valid, ids, 0), valid
-
-
-@triton.jit
 def _align_count_kernel(topk_ids_ptr, expert_map_ptr, counts_ptr, num_routes, num_local_experts, num_map_entries,
                         HAS_MAP: tl.constexpr, NUM_BINS: tl.constexpr, BLOCK: tl.constexpr):
     """counts_CEb[c, e] = routes of count chunk c (BLOCK routes) whose local expert is e."""
     pid = tl.program_id(0)
     offs = pid * BLOCK + tl.arange(0, BLOCK)
-    expert, valid = _local_expert_of_route(topk_ids_ptr, expert_map_ptr, offs, num_routes, num_local_experts,
+    expert, valid = local_expert_of_route(topk_ids_ptr, expert_map_ptr, offs, num_routes, num_local_experts,
                                            num_map_entries, HAS_MAP)
     hist = tl.histogram(expert, NUM_BINS, mask=valid)
     tl.store(counts_ptr + pid * NUM_BINS + tl.arange(0, NUM_BINS), hist.to(tl.int32))
@@ -157,7 +145,7 @@ def _place(count, before, topk_ids_ptr, expert_map_ptr, sorted_ids_ptr, block_ex
         _write_layout(count, start, blocks, sorted_ids_ptr, block_expert_ptr, num_post_padded_ptr, num_routes,
                       num_blocks, NUM_BINS, BLOCK_M, RUN, FILL)
     offs = first_route + tl.arange(0, BLOCK)
-    expert, valid = _local_expert_of_route(topk_ids_ptr, expert_map_ptr, offs, num_routes, num_local_experts,
+    expert, valid = local_expert_of_route(topk_ids_ptr, expert_map_ptr, offs, num_routes, num_local_experts,
                                            num_map_entries, HAS_MAP)
     slot = tl.gather(start + before, expert, 0) + _rank_in_block(expert, valid, BLOCK)
     tl.store(sorted_ids_ptr + slot, offs, mask=valid)
@@ -169,7 +157,7 @@ def _align_small_kernel(topk_ids_ptr, expert_map_ptr, sorted_ids_ptr, block_expe
                         HAS_MAP: tl.constexpr, NUM_BINS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK: tl.constexpr,
                         RUN: tl.constexpr, FILL: tl.constexpr):
     """All of the alignment in one program when every route fits in one BLOCK (decode batches)."""
-    expert, valid = _local_expert_of_route(topk_ids_ptr, expert_map_ptr, tl.arange(0, BLOCK), num_routes,
+    expert, valid = local_expert_of_route(topk_ids_ptr, expert_map_ptr, tl.arange(0, BLOCK), num_routes,
                                            num_local_experts, num_map_entries, HAS_MAP)
     count = tl.histogram(expert, NUM_BINS, mask=valid).to(tl.int32)
     _place(count, tl.zeros((NUM_BINS,), dtype=tl.int32), topk_ids_ptr, expert_map_ptr, sorted_ids_ptr,
@@ -199,7 +187,7 @@ def _align_place_kernel(topk_ids_ptr, expert_map_ptr, counts_ptr, sorted_ids_ptr
         count += tl.sum(tile, axis=0)
         before += tl.sum(tl.where(rows[:, None] < group, tile, 0), axis=0)
     for q in range(group * COUNT_GROUP, pid):
-        e_q, v_q = _local_expert_of_route(topk_ids_ptr, expert_map_ptr, q * BLOCK + tl.arange(0, BLOCK), num_routes,
+        e_q, v_q = local_expert_of_route(topk_ids_ptr, expert_map_ptr, q * BLOCK + tl.arange(0, BLOCK), num_routes,
                                           num_local_experts, num_map_entries, HAS_MAP)
         before += tl.histogram(e_q, NUM_BINS, mask=v_q).to(tl.int32)
     _place(count, before, topk_ids_ptr, expert_map_ptr, sorted_ids_ptr, block_expert_ptr, num_post_padded_ptr,

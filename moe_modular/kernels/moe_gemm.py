@@ -33,17 +33,19 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from moe_modular.config import Activation
-from moe_modular.kernels.act_and_mul import (
-    _ACT_CODE,
-    GEMM_FUSABLE_ACTIVATIONS,
-    _finite_abs,
-    _scale_of,
-    _to_fp8,
-    gated_act,
+from moe_modular.kernels.act_and_mul import ACT_CODE, GEMM_FUSABLE_ACTIVATIONS, gated_act
+from moe_modular.kernels.common import (
+    FP8_WS_GROUP,
+    FP8_WS_TILE,
+    FP8_WS_WARPS,
+    finite_abs,
+    local_expert_of_route,
+    scale_of,
+    tile_order,
+    to_fp8,
 )
 from moe_modular.kernels.host import cdiv, gluon_kernels_enabled, gpu_has_tma, pdl_launch
 from moe_modular.kernels.launcher import launch
-from moe_modular.kernels.moe_align import _local_expert_of_route
 
 if TYPE_CHECKING:
     from triton.tools.tensor_descriptor import TensorDescriptor
@@ -134,7 +136,7 @@ def _moe_gemm_kernel(
         num_blocks = tl.load(num_post_padded_ptr) // BLOCK_M
         for tile in tl.range(tl.program_id(0), num_blocks * num_pid_n, tl.num_programs(0),
                              flatten=PERSISTENT == 2):
-            pid_m, pid_n = _tile_order(tile, num_blocks, num_pid_n, GROUP_M)
+            pid_m, pid_n = tile_order(tile, num_blocks, num_pid_n, GROUP_M)
             expert = tl.load(block_expert_ptr + pid_m)  # >= 0 for every block before num_post_padded
             _gemm_tile(
                 a_ptr, b_ptr, c_ptr, a_scale_ptr, b_scale_ptr, topk_weights_ptr, sorted_ids_ptr,
@@ -146,7 +148,7 @@ def _moe_gemm_kernel(
                 FUSE_ACT, ACTIVATION, B_TMA, A_SORTED, C_SORTED, A_TMA, PER_ROUTE, OUT_GROUP,
                 BLOCK_M, BLOCK_N, BLOCK_K)
     else:
-        pid_m, pid_n = _tile_order(tl.program_id(0), num_pid_m, num_pid_n, GROUP_M)
+        pid_m, pid_n = tile_order(tl.program_id(0), num_pid_m, num_pid_n, GROUP_M)
         if BATCHED:
             expert = tl.program_id(1)
             count = tl.load(expert_num_tokens_ptr + expert)
@@ -154,7 +156,7 @@ def _moe_gemm_kernel(
                 return
         else:
             if PER_ROUTE:  # block pid_m is route pid_m alone; block_expert_ptr holds the (T * k) topk ids
-                expert, held = _local_expert_of_route(block_expert_ptr, expert_map_ptr, pid_m, num_routes,
+                expert, held = local_expert_of_route(block_expert_ptr, expert_map_ptr, pid_m, num_routes,
                                                       num_local_experts, num_map_entries, HAS_MAP)
                 if not held:
                     return
@@ -173,16 +175,6 @@ def _moe_gemm_kernel(
             A_ROW_DIV, BATCHED, A_SCALE, B_SCALE, GROUP_N, GROUP_K, MUL_WEIGHT, EVEN_K, DOT_PRECISION,
             FUSE_ACT, ACTIVATION, B_TMA, A_SORTED, C_SORTED, A_TMA, PER_ROUTE, OUT_GROUP,
             BLOCK_M, BLOCK_N, BLOCK_K)
-
-
-@triton.jit
-def _tile_order(tile, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
-    """(row block, column block) of tile number `tile`: GROUP_M row blocks share each column sweep (their
-    B tiles stay in L2)."""
-    per_group = GROUP_M * num_pid_n
-    first_m = (tile // per_group) * GROUP_M
-    group_rows = tl.minimum(num_pid_m - first_m, GROUP_M)
-    return first_m + ((tile % per_group) % group_rows), (tile % per_group) // group_rows
 
 
 @triton.jit
@@ -299,8 +291,8 @@ def _gemm_tile(
     if OUT_GROUP > 0:  # fp8 with one scale per row and OUT_GROUP columns (BLOCK_N holds whole groups)
         NG: tl.constexpr = BLOCK_N // OUT_GROUP
         h = tl.reshape(tl.where(n_mask[None, :], acc, 0.0), (BLOCK_M, NG, OUT_GROUP))
-        g_scale = _scale_of(tl.max(_finite_abs(h), axis=2))
-        acc = tl.reshape(_to_fp8(h, g_scale[:, :, None], c_ptr.dtype.element_ty), (BLOCK_M, BLOCK_N))
+        g_scale = scale_of(tl.max(finite_abs(h), axis=2))
+        acc = tl.reshape(to_fp8(h, g_scale[:, :, None], c_ptr.dtype.element_ty), (BLOCK_M, BLOCK_N))
         offs_g = pid_n * NG + tl.arange(0, NG)
         tl.store(c_scale_ptr + out_row[:, None] * stride_csm + offs_g[None, :] * stride_csn, g_scale,
                  mask=row_mask[:, None] & (offs_g[None, :] * OUT_GROUP < N))
@@ -375,11 +367,6 @@ def ws_applies(tile: GemmTile, a: torch.Tensor, b_ENK: torch.Tensor, c: torch.Te
     return tma_addressable(a) and (a_sorted or a.shape[-1] % tile.BLOCK_K == 0)
 
 
-# The fp8 warp-specialized kernel's tile (moe_gemm_ws_fp8.py): 128 x 128 outputs, K steps of 128, two consumer
-# warpgroups (num_warps 8 counts their warps; the launch's own is one of them).
-FP8_WS_TILE = (128, 128, 128)
-FP8_WS_WARPS = 8
-FP8_WS_GROUP = 128
 _FP8_WS_SCALES = {(AScale.GROUP, BScale.BLOCK): "BLOCK", (AScale.ROW, BScale.CHANNEL): "ROW"}
 
 
@@ -559,7 +546,7 @@ def moe_gemm(
                            num_post_padded=num_post_padded, num_routes=num_routes, tiles=grid[0],
                            sms=resident_programs(a.device), a_sorted=a_sorted, a_row_div=a_row_div,
                            topk_weights_Tk=topk_weights_Tk,
-                           activation_code=None if fuse_activation is None else _ACT_CODE[fuse_activation],
+                           activation_code=None if fuse_activation is None else ACT_CODE[fuse_activation],
                            c_sorted=c_sorted)
     fp8_scales = fp8_ws_scales(tile, a, b_ENK, c, standard=sorted_ids_S is not None, a_scale=a_scale,
                                a_scale_mode=a_scale_mode, b_scale=b_scale, b_scale_mode=b_scale_mode,
@@ -572,7 +559,7 @@ def moe_gemm(
                                num_post_padded=num_post_padded, num_routes=num_routes, tiles=grid[0],
                                sms=resident_programs(a.device), group_m=tile.GROUP_M, a_sorted=a_sorted,
                                a_row_div=a_row_div, topk_weights_Tk=topk_weights_Tk,
-                               activation_code=None if fuse_activation is None else _ACT_CODE[fuse_activation],
+                               activation_code=None if fuse_activation is None else ACT_CODE[fuse_activation],
                                c_scale=c_scale, c_sorted=c_sorted)
     persistent = tile.persistent if sorted_ids_S is not None else 0
     if persistent:  # no more programs than tiles, nor than the device runs at once
@@ -614,7 +601,7 @@ def moe_gemm(
         A_SCALE=a_scale_mode.value, B_SCALE=b_scale_mode.value, GROUP_N=group_n, GROUP_K=group_k,
         MUL_WEIGHT=topk_weights_Tk is not None, EVEN_K=Ko % tile.BLOCK_K == 0,
         DOT_PRECISION="ieee" if is_fp32 else "tf32",
-        FUSE_ACT=fuse_activation is not None, ACTIVATION=_ACT_CODE[fuse_activation or Activation.SILU],
+        FUSE_ACT=fuse_activation is not None, ACTIVATION=ACT_CODE[fuse_activation or Activation.SILU],
         B_TMA=b_arg is not None, A_SORTED=a_sorted, C_SORTED=c_sorted, A_TMA=a_arg is not None,
         PER_ROUTE=per_route, HAS_MAP=expert_map_E is not None, OUT_GROUP=c_group,
         BLOCK_M=tile.BLOCK_M, BLOCK_N=tile.BLOCK_N, BLOCK_K=tile.BLOCK_K, GROUP_M=tile.GROUP_M,

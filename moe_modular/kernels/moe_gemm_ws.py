@@ -35,7 +35,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from moe_modular.kernels.act_and_mul import _ACT_SILU
+from moe_modular.kernels.common import ACT_SILU
 from moe_modular.kernels.ws_common import ws_store_rows, ws_tile_loader, ws_tile_order
 
 
@@ -116,7 +116,7 @@ def _ws_mma_epilogue(a_bufs, b_bufs, ready, empty, c_smem, c_ready, c_empty, c_p
             acc, acc_up = gl.split(gl.permute(gl.reshape(acc, [BLOCK_M, 2, BLOCK_N]), (0, 2, 1)))
             acc = gl.convert_layout(acc, out_layout)
             acc_up = gl.convert_layout(acc_up, out_layout)
-            if ACTIVATION == _ACT_SILU:
+            if ACTIVATION == ACT_SILU:
                 acc = acc / (1.0 + gl.exp(-acc)) * acc_up
             else:
                 acc = 0.5 * acc * (1.0 + gl.erf(acc * 0.7071067811865476)) * acc_up

@@ -36,8 +36,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from moe_modular.kernels.act_and_mul import _ACT_SILU, _FP8_MAX, _MIN_AMAX
-from moe_modular.kernels.moe_gemm import FP8_WS_TILE
+from moe_modular.kernels.common import ACT_SILU, FP8_MAX_C, FP8_WS_TILE, MIN_AMAX_C
 from moe_modular.kernels.ws_common import rows_layout, ws_store_rows, ws_tile_loader, ws_tile_order
 
 # The tile: 128 rows (two consumer warpgroups of 64), 128 output columns (one weight scale block, one
@@ -71,22 +70,22 @@ _BLOCK: gl.constexpr = gl.constexpr(Fp8Scales.BLOCK.value)
 
 @gluon.jit
 def _ws_scale_of(amax):
-    """The fp8 scale of an amax, as act_and_mul._scale_of (and quant.py) computes it."""
-    a = gl.maximum(amax, _MIN_AMAX)
-    return gl.div_rn(a, gl.full_like(a, _FP8_MAX))
+    """The fp8 scale of an amax, as act_and_mul.scale_of (and quant.py) computes it."""
+    a = gl.maximum(amax, MIN_AMAX_C)
+    return gl.div_rn(a, gl.full_like(a, FP8_MAX_C))
 
 
 @gluon.jit
 def _ws_to_fp8(h, scale, out_dtype: gl.constexpr):
-    """h / scale rounded to fp8 as act_and_mul._to_fp8: a correctly rounded division, saturated; not finite: NaN."""
+    """h / scale rounded to fp8 as act_and_mul.to_fp8: a correctly rounded division, saturated; not finite: NaN."""
     q = gl.div_rn(h, gl.zeros_like(h) + scale)
-    q = gl.minimum(gl.maximum(q, -_FP8_MAX), _FP8_MAX)
+    q = gl.minimum(gl.maximum(q, -FP8_MAX_C), FP8_MAX_C)
     return gl.where(gl.abs(h) < float("inf"), q, float("nan")).to(out_dtype)
 
 
 @gluon.jit
 def _ws_finite_abs(h):
-    """|h| where finite, else 0 (act_and_mul._finite_abs)."""
+    """|h| where finite, else 0 (act_and_mul.finite_abs)."""
     a = gl.abs(h)
     return gl.where(a < float("inf"), a, 0.0)
 
@@ -182,7 +181,7 @@ def _fp8_consumer(a_bufs, b_bufs, ready, empty, c_ptr, c_scale_ptr, a_scale_ptr,
             acc = acc * a_s[:, None] * b_s[None, :]
 
         if FUSE_ACT:  # act(gate) * up, as act_and_mul.gated_act
-            if ACTIVATION == _ACT_SILU:
+            if ACTIVATION == ACT_SILU:
                 acc = acc / (1.0 + gl.exp(-acc)) * acc_up
             else:
                 acc = 0.5 * acc * (1.0 + gl.erf(acc * 0.7071067811865476)) * acc_up

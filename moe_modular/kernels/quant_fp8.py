@@ -19,10 +19,10 @@ import torch
 import triton
 import triton.language as tl
 
-from moe_modular.kernels.act_and_mul import _finite_abs, _scale_of, _to_fp8
+from moe_modular.kernels.common import finite_abs, scale_of, to_fp8
+from moe_modular.fp8_format import FP8_DTYPE
 from moe_modular.kernels.host import cdiv, next_pow2
 from moe_modular.kernels.launcher import launch
-from moe_modular.quant import FP8_DTYPE
 
 
 class Fp8Scaling(enum.Enum):
@@ -58,16 +58,16 @@ def _quant_fp8_kernel(
             offs = k0 + tl.arange(0, BLOCK_K)
             m = valid[:, None] & (offs[None, :] < K)
             x = tl.load(x_rows + offs[None, :] * stride_xk, mask=m, other=0.0).to(tl.float32)
-            amax = tl.maximum(amax, tl.max(_finite_abs(x), axis=1))
+            amax = tl.maximum(amax, tl.max(finite_abs(x), axis=1))
         if AMAX_PASS:
             tl.atomic_max(amax_ptr, tl.max(amax, axis=0))
             return
-        row_scale = _scale_of(amax)
+        row_scale = scale_of(amax)
         tl.store(scale_ptr + rows64 * stride_sm, row_scale, mask=valid)
     if SCALING == _STATIC:
         tensor_scale = tl.load(scale_ptr)
     if SCALING == _DYNAMIC:
-        tensor_scale = _scale_of(tl.load(amax_ptr))
+        tensor_scale = scale_of(tl.load(amax_ptr))
         if tl.program_id(0) == 0:
             tl.store(scale_ptr, tensor_scale)
 
@@ -76,9 +76,9 @@ def _quant_fp8_kernel(
         offs = g * BLOCK_K + tl.arange(0, BLOCK_K)
         m = valid[:, None] & (offs[None, :] < K)
         x = tl.load(x_rows + offs[None, :] * stride_xk, mask=m, other=0.0).to(tl.float32)
-        group_scale = _scale_of(tl.max(_finite_abs(x), axis=1))
+        group_scale = scale_of(tl.max(finite_abs(x), axis=1))
         tl.store(scale_ptr + rows64 * stride_sm + g * stride_sg, group_scale, mask=valid)
-        tl.store(o_rows + offs[None, :] * stride_ok, _to_fp8(x, group_scale[:, None], out_ptr.dtype.element_ty),
+        tl.store(o_rows + offs[None, :] * stride_ok, to_fp8(x, group_scale[:, None], out_ptr.dtype.element_ty),
                  mask=m)
     else:
         for k0 in range(0, K, BLOCK_K):
@@ -86,9 +86,9 @@ def _quant_fp8_kernel(
             m = valid[:, None] & (offs[None, :] < K)
             x = tl.load(x_rows + offs[None, :] * stride_xk, mask=m, other=0.0).to(tl.float32)
             if SCALING == _TOKEN:
-                y = _to_fp8(x, row_scale[:, None], out_ptr.dtype.element_ty)
+                y = to_fp8(x, row_scale[:, None], out_ptr.dtype.element_ty)
             else:
-                y = _to_fp8(x, tensor_scale, out_ptr.dtype.element_ty)
+                y = to_fp8(x, tensor_scale, out_ptr.dtype.element_ty)
             tl.store(o_rows + offs[None, :] * stride_ok, y, mask=m)
 
 

@@ -6,10 +6,10 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import async_copy, mbarrier, tma
 
-from moe_modular.kernels.moe_gemm import _tile_order
+from moe_modular.kernels.common import tile_order
 
-# moe_gemm's tile order, compiled as Gluon (the same Python body).
-ws_tile_order = gluon.jit(_tile_order.fn)
+# The tl.dot kernels' tile order, compiled as Gluon (the same Python body).
+ws_tile_order = gluon.jit(tile_order.fn)
 
 
 @gluon.constexpr_function
