@@ -7,8 +7,10 @@ Under pytest it runs the whole valid matrix at the CPU-sized shapes below. As a 
       [-m M ...] [-k K] [-n N] [--num-experts E] [--topk k ...] [--dtype D] [--quant-dtype fp8]
       [--per-token-quantized-activations] [--per-channel-quantized-weights] [--block-shape B B]
 
-Without --pf-type / --experts-type it runs the whole valid matrix with a progress bar and a
-summary table. Exit codes: 0 all passed, 1 a case failed, 2 bad arguments or an invalid pair.
+Without --pf-type / --experts-type it runs a tour of the valid matrix (each pair once in its first valid
+scheme, then each remaining scheme once: every PF, experts class and scheme appears), or with --full the
+whole valid matrix, with a progress bar (time left, cell names) and a summary table. Exit codes: 0 all
+passed, 1 a case failed, 2 bad arguments or an invalid pair.
 """
 from __future__ import annotations
 
@@ -31,7 +33,7 @@ from tests.modular_kernel_tools.mk_objects import (
     PREPARE_FINALIZE_BY_NAME,
     lookup,
 )
-from tests.modular_kernel_tools.matrix import CellOutcome, matrix_configs, run_configs
+from tests.modular_kernel_tools.matrix import CellOutcome, matrix_configs, run_configs, tour
 from tests.modular_kernel_tools.progress import ProgressBar
 
 # Problem sizes for the matrix on the CPU. Each line covers an edge:
@@ -129,6 +131,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--per-channel-quantized-weights", action="store_true")
     p.add_argument("--static-activation-scale", action="store_true", help="fp8 per-tensor with static scales")
     p.add_argument("--block-shape", type=int, nargs=2, default=None, metavar=("BN", "BK"))
+    p.add_argument("--full", action="store_true",
+                   help="without --pf-type/--experts-type: every valid cell, not the tour (each pair and scheme once)")
     return p
 
 
@@ -142,6 +146,7 @@ class CliRequest:
     world_sizes: tuple[int, ...]
     explicit_pair: bool
     shape: dict
+    full: bool = False
 
 
 def parse_request(argv: Optional[Sequence[str]] = None,
@@ -176,7 +181,9 @@ def parse_request(argv: Optional[Sequence[str]] = None,
             raise ValueError(f"{flag} ({values}) must be {'>= 0' if flag == '-m' else '>= 1'}")
     shape = dict(Ms=tuple(args.m), topks=tuple(args.topk), K=args.k, N=args.n, E=args.num_experts,
                  activation=Activation.parse(args.activation), placement=_placement(args.placement))
-    return CliRequest(pf_types, fe_types, schemes, world_sizes, explicit, shape)
+    if args.full and explicit:
+        raise ValueError("--full is for the matrix without --pf-type/--experts-type (a pair runs all its cells)")
+    return CliRequest(pf_types, fe_types, schemes, world_sizes, explicit, shape, full=args.full)
 
 
 def _placement(name: str) -> ExpertPlacement:
@@ -213,6 +220,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             print(f"unsupported: {c.describe()}: {reason}", file=sys.stderr)
         print(f"0 passed, 0 failed, {len(skipped)} skipped: no cell of the request can run here", file=sys.stderr)
         return 2
+    if not req.explicit_pair and not req.full:
+        print(f"tour of {len(tour(cells))} of the {len(runnable)} valid cells: every PrepareAndFinalize, experts class "
+              f"and scheme once (--full runs all {len(runnable)})", flush=True)
+        runnable = tour(cells)
     rows = []
     bar = None if req.explicit_pair else ProgressBar(len(runnable), "matrix")
 

@@ -27,7 +27,7 @@ step() {  # name, time limit in seconds, command...
   printf '%-28s rc=%d %4ds  %s\n' "$name" "$rc" $((SECONDS - t0)) "$(tail -n 1 "$out/$name.log")" | tee -a "$out/summary.txt"
 }
 python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__, torch.cuda.get_device_name())' | tee "$out/summary.txt"
-step matrix_ws1 240 python3 -m tests.test_modular_kernel_combinations --world-size 1
+step matrix_ws1 240 python3 -m tests.test_modular_kernel_combinations --world-size 1 --full
 step check_ep_gpu 60 python3 -m tools.check_ep_gpu --out "$out"
 step profile 90 python3 -m tools.profile_modular_kernel --pf-type MoEPrepareAndFinalizeNoEP --experts-type TritonExperts \
   -m 1 64 1024 -k 2048 -n 768 --num-experts 128 --topk 8 --torch-trace-dir-path "$out/traces"

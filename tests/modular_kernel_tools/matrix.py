@@ -51,6 +51,25 @@ def matrix_configs(pf_types: Iterable[type], fe_types: Iterable[type],
     return cells
 
 
+def tour(cells: Sequence[tuple[Config, bool, str]]) -> list[Config]:
+    """A short tour of the valid cells: each (PF, experts, world size) once, in its first valid scheme (the order
+    of `cells`), then each scheme not yet seen once, in the first pair that runs it. Every PF, experts class and
+    scheme of the matrix appears."""
+    chosen, pairs, schemes = [], set(), set()
+    valid = [c for c, ok, _ in cells if ok]
+    for c in valid:
+        pair = (c.prepare_finalize_type, c.fused_experts_type, c.world_size)
+        if pair not in pairs:
+            pairs.add(pair)
+            schemes.add((c.dtype, c.quant))
+            chosen.append(c)
+    for c in valid:
+        if (c.dtype, c.quant) not in schemes:
+            schemes.add((c.dtype, c.quant))
+            chosen.append(c)
+    return chosen
+
+
 def _run_cases(cfg: Config, rank: int = 0, context=None) -> list[CaseResult]:
     results = []
     for M in cfg.Ms:

@@ -1,4 +1,5 @@
-"""A dependency-free progress bar for long matrix runs (writes to stderr)."""
+"""A dependency-free progress bar for long matrix runs (writes to stderr): done / total, elapsed time, an
+estimate of the time left (from the mean time per step so far) and the whole name of the last step."""
 from __future__ import annotations
 
 import sys
@@ -13,6 +14,7 @@ class ProgressBar:
         self.stream = stream if stream is not None else sys.stderr
         self.done = 0
         self.start = time.monotonic()
+        self._last_len = 0
         self._draw("")
 
     def update(self, n: int = 1, note: str = "") -> None:
@@ -24,7 +26,11 @@ class ProgressBar:
         filled = int(frac * self.width)
         elapsed = time.monotonic() - self.start
         bar = "#" * filled + "." * (self.width - filled)
-        self.stream.write(f"\r{self.label} [{bar}] {self.done}/{self.total} {elapsed:6.1f}s {note[:60]:60s}")
+        left = f"~{elapsed / self.done * (self.total - self.done):.0f}s left" if self.done else "estimating"
+        line = f"{self.label} [{bar}] {self.done}/{self.total} {elapsed:.0f}s, {left}  {note}"
+        # pad over the previous line where this one is shorter (the names vary in length)
+        self.stream.write("\r" + line + " " * max(0, self._last_len - len(line)))
+        self._last_len = len(line)
         self.stream.flush()
 
     def close(self) -> None:
