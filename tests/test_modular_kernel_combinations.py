@@ -74,15 +74,29 @@ for _ws, _grid in PYTEST_EP_GRIDS.items():
 _VALID = [c for c, ok, _ in _CELLS if ok]
 
 
+def _group(cfg: Config) -> tuple[int, str]:
+    return cfg.world_size, cfg.fused_experts_type.__name__
+
+
 @pytest.fixture(scope="module")
-def matrix_outcomes():
-    """Every valid cell's outcome, run once: one spawn per world size for all of its cells."""
-    return run_configs(_VALID)
+def matrix_outcome():
+    """cfg -> its outcome. The cells run in groups (world size, experts class), each group when its first cell's
+    test asks for it (one spawn per group that needs ranks): the tests report as the matrix goes, and no test
+    waits for the whole matrix."""
+    done: dict[tuple[int, str], dict] = {}
+
+    def outcome(cfg: Config) -> CellOutcome:
+        key = _group(cfg)
+        if key not in done:
+            done[key] = run_configs([c for c in _VALID if _group(c) == key])
+        return done[key][cfg]
+
+    return outcome
 
 
 @pytest.mark.parametrize("cfg", _VALID, ids=_cell_id)
-def test_modular_kernel_combination(cfg: Config, matrix_outcomes):
-    outcome = matrix_outcomes[cfg]
+def test_modular_kernel_combination(cfg: Config, matrix_outcome):
+    outcome = matrix_outcome(cfg)
     failed = [r for r in outcome.results if not r.passed]
     assert outcome.error is None, outcome.error
     assert len(outcome.results) == len(cfg.Ms) * len(cfg.topks) * cfg.world_size

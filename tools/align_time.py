@@ -209,7 +209,7 @@ def main(argv=None) -> int:
                 failed |= _record(row, prefix, best, f"{cell} {what}")
             rows.append(row)
             del sets
-        del weights
+        weights = None  # drop the references (closures above use these names)
         if device.type == "cuda":
             torch.cuda.empty_cache()
     write_csv(os.path.join(args.out, "align_time.csv"), rows, CSV_FIELDS)

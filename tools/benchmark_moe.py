@@ -170,7 +170,7 @@ def measure_ceilings(timer: Timer, smoke: bool) -> dict:
     src = torch.empty(n_bytes, dtype=torch.uint8, device=dev)
     dst = torch.empty_like(src)
     copy_s = timer.median_s(lambda: dst.copy_(src))
-    del src, dst
+    src = dst = None  # drop the references (closures above use these names)
     n = 256 if smoke else 8192
     a = torch.randn(n, n, device=dev, dtype=torch.bfloat16)
     b = torch.randn(n, n, device=dev, dtype=torch.bfloat16)

@@ -173,7 +173,7 @@ def measure_ceilings(device) -> tuple[float, float, float]:
     a = torch.empty(n, dtype=torch.uint8, device=device)
     b = torch.empty_like(a)
     t_copy = bench_eager(lambda: b.copy_(a), min_reps=5)
-    del a, b
+    a = b = None  # drop the references (closures above use these names)
     m = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
     t_mm = bench_eager(lambda: m @ m, min_reps=5)
     fp8_rate = 0.0
@@ -340,7 +340,7 @@ def sweep(device, ceilings, budget_end: float, smoke: bool, out_dir: str):
         if buckets:
             key = TileConfigTable.key_for(E, N, K, torch.bfloat16, QuantConfig(), dev_name)
             tables[key] = buckets
-        del w1, w2
+        w1 = w2 = None  # drop the references (closures above use these names)
         ws.clear()
         torch.cuda.empty_cache() if torch.cuda.is_available() else None
     os.makedirs(os.path.join(out_dir, "configs"), exist_ok=True)
@@ -406,7 +406,7 @@ def fp8_timing(device, ceilings, budget_end: float):
             floor = max((hit * 3 * N * K + 2 * M * K * 2) / bw, 2 * M * topk * 3 * N * K / max(fp8_rate, 1.0))
             rows.append((qc.name, M, t * 1e6, floor * 1e6, floor / t))
             log(f"  deepseek {qc.name} M={M}: {t * 1e6:.1f} us floor {floor * 1e6:.1f} us frac={floor / t:.2f}")
-        del w1q, w2q
+        w1q = w2q = None  # drop the references (closures above use these names)
         ws.clear()
     return rows
 

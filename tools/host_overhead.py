@@ -271,7 +271,7 @@ def main(argv=None) -> int:
                               file=sys.stderr)
                         with launch_mode(mode):
                             print(profile_text(forward, args.reps, args.cprofile), file=sys.stderr, flush=True)
-            del weights
+            weights = None  # drop the references (closures above use these names)
     os.makedirs(args.out, exist_ok=True)
     write_csv(os.path.join(args.out, "host_overhead.csv"), rows, CSV_FIELDS)
     print(table(rows))

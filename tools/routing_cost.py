@@ -187,10 +187,10 @@ def main(argv=None) -> int:
                 row[f"us_{k}"] = us[k]
                 row[f"tflops_{k}"] = flops / us[k] / 1e6 if us[k] is not None else None
             rows.append(row)
-            del sets, by_routing, trials, bmm
+            sets = by_routing = trials = bmm = None  # drop the references (closures above use these names)
             if timer.cuda:
                 del graph
-        del weights
+        weights = None  # drop the references (closures above use these names)
         if device.type == "cuda":
             torch.cuda.empty_cache()
     write_csv(os.path.join(args.out, "routing_cost.csv"), rows, CSV_FIELDS)

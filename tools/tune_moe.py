@@ -335,7 +335,7 @@ def main(argv=None) -> int:
                 bar.update(max(0, per_bucket(pool) - len(stage1) - len(todo) - len(options)))
                 if results:
                     buckets[M] = min(results, key=lambda r: r[0])[1]
-                del sets, trial
+                sets = trial = None  # drop the references (closures above use these names)
             bar.close()
             if buckets:
                 key = TileConfigTable.key_for(shape.E, shape.N, shape.K, torch.bfloat16, qc, dev_key)
@@ -349,7 +349,7 @@ def main(argv=None) -> int:
                 written.append(path)
                 for M, cfg in sorted(buckets.items()):
                     print(f"{shape_key} {quant_key} M={M}: {cfg.to_dict()}")
-            del weights
+            weights = None  # drop the references (closures above use these names)
             if device.type == "cuda":
                 torch.cuda.empty_cache()
     if trials:
