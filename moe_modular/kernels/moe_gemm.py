@@ -267,7 +267,7 @@ def _gemm_tile(
         else:
             # fp8 on Hopper: 64-row and larger tiles use wgmma, whose fp8 accumulation is reduced-precision
             # across the K loop (Triton's default there, as in vLLM's kernels); promoting the sum every
-            # 32 products (max_num_imprecise_acc) cost 1.1-3x in time (docs/benchmarks.md, fp8 accumulation).
+            # 32 products (max_num_imprecise_acc) cost 1.1-3x in time (docs/perf_notes/2026-12-03-fp8-accumulation.md).
             if FUSE_ACT:
                 acc_up = tl.dot(a, b_up, acc_up, input_precision=DOT_PRECISION)
             acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)

@@ -18,7 +18,7 @@ grouped order of moe_gemm. Each program is three partitions:
   (`c_ready` / `c_empty` hand it over);
 - a store partition (STORER_WARPS warps) writes that tile to the output rows in whole row segments
   while the default partition already runs the next tile's MMAs.
-Every step of this schedule was measured side by side against the one before it (docs/benchmarks.md).
+Every step of this schedule was measured side by side against the one before it (docs/perf_notes/2026-12-04-warp-specialized-grouped-gemm.md).
 """
 from __future__ import annotations
 
