@@ -535,3 +535,20 @@ def test_adapter_refuses_prequantized_input():
     with pytest.raises(ValueError, match="a1q_scale"):
         adapter.apply(torch.randn(2, 64), torch.zeros(8, 64, 64), torch.zeros(8, 64, 32), torch.ones(2, 2),
                       torch.zeros(2, 2, dtype=torch.int32), MoEActivation.SILU, 8, None, False, a1q_scale=torch.ones(2, 1))
+
+
+def test_fp8_rebuild_keeps_moe_modular_on_the_checkpoint_layout(vllm_config, vllm_one_rank):
+    # vLLM rebuilds the kernel (_init_moe_kernel) after re-processing weights: the layer the plugin served keeps
+    # moe-modular's kernel, over the same tensors.
+    moe = vllm_moe(E=8, topk=2, K=256, N=128, dtype=torch.bfloat16)
+    layer = _Fp8Layer(moe)
+    assert plugin.install_hook(ON) is True
+    try:
+        method = _fp8_method("block", moe, layer)
+        _load_fp8_layer("block", method, layer, torch.randn(8, 256, 256) * 0.2, torch.randn(8, 256, 128) * 0.2)
+        first = method.moe_kernel
+        method._init_moe_kernel(layer)
+    finally:
+        plugin.uninstall_hook()
+    assert isinstance(method.moe_kernel, VllmKernelAdapter) and method.moe_kernel is not first
+    assert method.moe_kernel.kernel.fused_experts.quant.w1_scale is layer.w13_weight_scale_inv

@@ -44,6 +44,7 @@ from typing import Any, Callable, Mapping, Optional
 import torch
 
 from moe_modular.config import SUPPORTED_DTYPES, Activation, ExpertPlacement, MoEConfig, ParallelConfig
+from moe_modular.fp8_format import FP8_DTYPE
 from moe_modular.integrations.vllm_fp8 import (
     layer_quant_params,
     scheme_of_compressed_tensors_method,
@@ -291,12 +292,21 @@ def _stays_on_vllm(plan: VllmLayerPlan) -> None:
     _logger().warning_once("moe-modular: a MoE layer stays on vLLM's kernel: %s", plan.reason)
 
 
-def _fp8_weights_reason(layer: Any, w13: torch.Tensor, w2: torch.Tensor) -> str:
-    """"" when both weights are fp8 e4m3fn (ROCm's e4m3fnuz conversion, for one, is not read)."""
-    from moe_modular.quant import FP8_DTYPE
-
+def _plan_fp8(state: _HookState, method: Any, layer: Any, scheme_of: Callable, w13: torch.Tensor,
+              w2: torch.Tensor, **kw) -> tuple[VllmLayerPlan, Optional[QuantConfig]]:
+    """(plan, scheme) of a vLLM fp8 method's layer: the scheme from scheme_of(method), the weights fp8 e4m3fn
+    (ROCm's e4m3fnuz conversion, for one, is not read)."""
+    quant, why = scheme_of(method)
     bad = [f"{n} {t.dtype}" for n, t in (("w13", w13), ("w2", w2)) if t.dtype != FP8_DTYPE]
-    return f"fp8 expert weights must be {FP8_DTYPE}, got {', '.join(bad)}" if bad else ""
+    if quant is not None and bad:
+        quant, why = None, f"fp8 expert weights must be {FP8_DTYPE}, got {', '.join(bad)}"
+    return state.plan(method, layer, quant, why, **kw), quant
+
+
+def _fp8_method_params(method: Any, layer: Any, quant: QuantConfig) -> MoEQuantParams:
+    """The scales of a vLLM Fp8MoEMethod's layer (weight_scale_inv for blocks, weight_scale per tensor)."""
+    scale = method.weight_scale_name
+    return layer_quant_params(quant, layer, getattr(layer, f"w13_{scale}"), getattr(layer, f"w2_{scale}"))
 
 
 # ---- the wrapped vLLM methods ------------------------------------------------------------------
@@ -313,9 +323,7 @@ def _wrap_unquantized_init_moe_kernel(original: Callable, state: _HookState) -> 
 
 def _wrap_fp8_setup_kernel(original: Callable, state: _HookState) -> Callable:
     def _setup_kernel(self, layer, w13, w2, w13_scale, w2_scale, w13_input_scale, w2_input_scale) -> None:
-        quant, why = scheme_of_fp8_method(self)
-        why = why or _fp8_weights_reason(layer, w13, w2)
-        plan = state.plan(self, layer, quant if not why else None, why)
+        plan, quant = _plan_fp8(state, self, layer, scheme_of_fp8_method, w13, w2)
         if not plan.supported:
             _stays_on_vllm(plan)
             return original(self, layer, w13, w2, w13_scale, w2_scale, w13_input_scale, w2_input_scale)
@@ -326,8 +334,7 @@ def _wrap_fp8_setup_kernel(original: Callable, state: _HookState) -> Callable:
         for name, tensor in (("w13_weight", w13), ("w2_weight", w2), (f"w13_{scale}", w13_scale),
                              (f"w2_{scale}", w2_scale)):
             replace_parameter(layer, name, tensor)
-        state.take_over(self, layer, plan, layer_quant_params(
-            quant, layer, getattr(layer, f"w13_{scale}"), getattr(layer, f"w2_{scale}")))
+        state.take_over(self, layer, plan, _fp8_method_params(self, layer, quant))
 
     return _setup_kernel
 
@@ -337,28 +344,23 @@ def _wrap_fp8_init_moe_kernel(original: Callable, state: _HookState) -> Callable
         # The weights are the checkpoint's where this method's kernel is already moe-modular's (a rebuild after
         # _setup_kernel's take-over); else they are in the format of vLLM's backend.
         ours = isinstance(getattr(self, "moe_kernel", None), VllmKernelAdapter)
-        quant, why = scheme_of_fp8_method(self)
-        why = why or _fp8_weights_reason(layer, layer.w13_weight, layer.w2_weight)
-        plan = state.plan(self, layer, quant if not why else None, why,
-                          vllm_backend=None if ours else self.fp8_backend.name,
-                          plain_backends=FP8_PLAIN_LAYOUT_BACKENDS)
+        plan, quant = _plan_fp8(state, self, layer, scheme_of_fp8_method, layer.w13_weight, layer.w2_weight,
+                                vllm_backend=None if ours else self.fp8_backend.name,
+                                plain_backends=FP8_PLAIN_LAYOUT_BACKENDS)
         if not plan.supported:
             if ours:  # vLLM's kernel would read the checkpoint layout as its own format
                 raise RuntimeError(f"moe-modular served this fp8 layer before and cannot rebuild it: {plan.reason}")
             _stays_on_vllm(plan)
             return original(self, layer)
-        scale = self.weight_scale_name
-        state.take_over(self, layer, plan, layer_quant_params(
-            quant, layer, getattr(layer, f"w13_{scale}"), getattr(layer, f"w2_{scale}")))
+        state.take_over(self, layer, plan, _fp8_method_params(self, layer, quant))
 
     return _init_moe_kernel
 
 
 def _wrap_compressed_tensors_process_weights(original: Callable, state: _HookState) -> Callable:
     def process_weights_after_loading(self, layer) -> None:
-        quant, why = scheme_of_compressed_tensors_method(self)
-        why = why or _fp8_weights_reason(layer, layer.w13_weight, layer.w2_weight)
-        plan = state.plan(self, layer, quant if not why else None, why)
+        plan, quant = _plan_fp8(state, self, layer, scheme_of_compressed_tensors_method, layer.w13_weight,
+                                layer.w2_weight)
         if not plan.supported:
             _stays_on_vllm(plan)
             return original(self, layer)
