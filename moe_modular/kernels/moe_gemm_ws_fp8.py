@@ -70,7 +70,7 @@ _BLOCK: gl.constexpr = gl.constexpr(Fp8Scales.BLOCK.value)
 
 @gluon.jit
 def _ws_scale_of(amax):
-    """The fp8 scale of an amax, as act_and_mul.scale_of (and quant.py) computes it."""
+    """The fp8 scale of an amax, as kernels/common.scale_of (and quant.py) computes it."""
     a = gl.maximum(amax, MIN_AMAX_C)
     return gl.div_rn(a, gl.full_like(a, FP8_MAX_C))
 
