@@ -1,49 +1,17 @@
-"""The combinations matrix's registries. Adding a type is one line here; capabilities
-(formats, dtypes, schemes, world sizes) are read from the classes' own `supports()`."""
+"""The combinations matrix's registries: the package's classes (moe_modular.registry, where adding a type is
+one line) and the schemes the matrix runs; capabilities (formats, dtypes, schemes, world sizes) are read from
+the classes' own `supports()`."""
 from __future__ import annotations
 
 import torch
 
-from moe_modular.experts.batched_triton_experts import BatchedTritonExperts
-from moe_modular.experts.grouped_mm_experts import GroupedMMExperts
-from moe_modular.experts.naive_batched_experts import NaiveBatchedExperts
-from moe_modular.experts.torch_experts import TorchExperts
-from moe_modular.experts.triton_experts import TritonExperts
+from moe_modular import registry
 from moe_modular.interfaces import FusedMoEExpertsModular, FusedMoEPrepareAndFinalizeModular
-from moe_modular.prepare_finalize.all_to_all_prepare_and_finalize import AllToAllPrepareAndFinalize
-from moe_modular.prepare_finalize.allgather_reducescatter_prepare_and_finalize import (
-    AllGatherReduceScatterPrepareAndFinalize,
-)
-from moe_modular.prepare_finalize.batched import BatchedPrepareAndFinalize
-from moe_modular.prepare_finalize.deepep_ht_prepare_and_finalize import DeepEPHTPrepareAndFinalize
-from moe_modular.prepare_finalize.deepep_ll_prepare_and_finalize import DeepEPLLPrepareAndFinalize
-from moe_modular.prepare_finalize.low_latency_all2all_prepare_and_finalize import LowLatencyAll2AllPrepareAndFinalize
-from moe_modular.prepare_finalize.naive_all2all_prepare_and_finalize import NaiveAll2AllPrepareAndFinalize
-from moe_modular.prepare_finalize.no_ep import MoEPrepareAndFinalizeNoEP
-from moe_modular.prepare_finalize.slice_allgather_prepare_and_finalize import SliceAllGatherPrepareAndFinalize
-from moe_modular.prepare_finalize.symm_mem_prepare_and_finalize import SymmMemPrepareAndFinalize
 from moe_modular.quant import QuantConfig
 
-MK_ALL_PREPARE_FINALIZE_TYPES: list[type[FusedMoEPrepareAndFinalizeModular]] = [
-    MoEPrepareAndFinalizeNoEP,
-    BatchedPrepareAndFinalize,
-    NaiveAll2AllPrepareAndFinalize,
-    AllGatherReduceScatterPrepareAndFinalize,
-    AllToAllPrepareAndFinalize,
-    LowLatencyAll2AllPrepareAndFinalize,
-    SliceAllGatherPrepareAndFinalize,
-    DeepEPHTPrepareAndFinalize,
-    DeepEPLLPrepareAndFinalize,
-    SymmMemPrepareAndFinalize,
-]
-
-MK_FUSED_EXPERT_TYPES: list[type[FusedMoEExpertsModular]] = [
-    TorchExperts,
-    NaiveBatchedExperts,
-    TritonExperts,
-    BatchedTritonExperts,
-    GroupedMMExperts,
-]
+# The package's registry (moe_modular/registry.py): the matrix runs every class registered there.
+MK_ALL_PREPARE_FINALIZE_TYPES: list[type[FusedMoEPrepareAndFinalizeModular]] = list(registry.PREPARE_FINALIZE_TYPES)
+MK_FUSED_EXPERT_TYPES: list[type[FusedMoEExpertsModular]] = list(registry.EXPERTS_TYPES)
 
 # (activation dtype, scheme) pairs the matrix runs: every 16/32-bit dtype unquantized, and each
 # fp8 scheme with bf16 activations.
