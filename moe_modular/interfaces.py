@@ -17,7 +17,7 @@ from typing import Callable, Optional
 import torch
 
 from moe_modular.config import Activation, MoEConfig
-from moe_modular.quant import MoEQuantParams
+from moe_modular.quant import MoEQuantParams, QuantConfig
 
 
 class ActivationFormat(enum.Enum):
@@ -114,6 +114,17 @@ class FusedMoEPrepareAndFinalizeModular(ABC):
     ) -> PrepareResult:
         """a1 (T, K) activations, topk_weights (T, k) float32, topk_ids (T, k) int; num_experts is E;
         expert_map (E,) int32 global -> local id or -1."""
+
+    @classmethod
+    def expects_replicated_input(cls) -> bool:
+        """True when every rank must be given the same tokens (the PF slices them itself); default False."""
+        return False
+
+    @classmethod
+    def quantizes_before_dispatch(cls, quant: QuantConfig) -> bool:
+        """True when, under `quant`, this PF quantizes before it dispatches (the tokens travel in fp8 where the
+        scheme is fp8); default False, which is also the answer of a PF that does not dispatch."""
+        return False
 
     def has_prepare_no_receive(self) -> bool:
         return False

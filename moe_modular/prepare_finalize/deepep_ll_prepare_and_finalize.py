@@ -91,6 +91,11 @@ class DeepEPLLPrepareAndFinalize(EPPrepareAndFinalize):
         return quant.is_quantized and quant.activation is ActivationQuant.GROUP and quant.group_size == LL_SCALE_GROUP
 
     @classmethod
+    def quantizes_before_dispatch(cls, quant: QuantConfig) -> bool:
+        """DeepEP's dispatch kernel quantizes (1 x 128 groups) as it sends: see dispatches_fp8."""
+        return cls.dispatches_fp8(quant)
+
+    @classmethod
     def check_config(cls, moe: MoEConfig) -> Optional[str]:
         """None when DeepEP's low-latency kernels can serve `moe`, else why not (no backend needed)."""
         error = ll_rank_count_error(moe.ep_size)

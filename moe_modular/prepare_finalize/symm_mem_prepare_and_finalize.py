@@ -35,7 +35,7 @@ from moe_modular.prepare_finalize.ep_common import (
 )
 from moe_modular.prepare_finalize.ep_prepare_and_finalize import EPPrepareAndFinalize
 from moe_modular.profiler_scope import phase
-from moe_modular.quant import MoEQuantParams
+from moe_modular.quant import MoEQuantParams, QuantConfig
 from moe_modular.weight_and_reduce import (
     TopKWeightAndReduceContiguous,
     TopKWeightAndReduceNoOp,
@@ -108,6 +108,11 @@ class SymmMemPrepareAndFinalize(EPPrepareAndFinalize):
     def check_config(cls, moe: MoEConfig) -> Optional[str]:
         """None when torch's 2-D all-to-all ops can serve `moe`, else why not (no backend needed)."""
         return world_size_error(moe.ep_size) or local_experts_error(moe.num_local_experts)
+
+    @classmethod
+    def quantizes_before_dispatch(cls, quant: QuantConfig) -> bool:
+        """True for every scheme (ep_common.quantize_for_dispatch runs before the exchange)."""
+        return True
 
     @classmethod
     def supports(cls, moe: MoEConfig) -> tuple[bool, str]:

@@ -118,7 +118,7 @@ def run_case(cfg: Config, M: int, topk: int, rank: int = 0, context=None, seed: 
     moe: MoEConfig = cfg.moe_config(topk, rank)
     inp = make_inputs(cfg, M, topk, seed, device)
     rows = slice(rank * M, (rank + 1) * M)
-    if getattr(cfg.prepare_finalize_type, "expects_replicated_input", lambda: False)():
+    if cfg.prepare_finalize_type.expects_replicated_input():
         rows = slice(0, cfg.world_size * M)  # every rank holds the same (whole) batch
     x, tw, ti = inp.x[rows], inp.topk_weights[rows], inp.topk_ids[rows]
 
