@@ -137,3 +137,41 @@ def test_no_import_cycles_in_the_packages(graph):
     g = {m: {d for d in ds if not (d == m.rpartition(".")[0] and graph.get(d) and m in graph[d])}
          for m, ds in graph.items()}
     assert _cycles(g, ("moe_modular", "all2all")) == []
+
+
+def test_oracle_and_torch_experts_need_no_triton(tmp_path):
+    """The float32 oracle and the CPU path (NoEP PF + TorchExperts, fp8 block included) run with Triton absent."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "no_triton.py"
+    script.write_text('''
+import sys
+sys.modules["triton"] = None  # any import of triton now fails
+import torch
+from moe_modular.config import MoEConfig
+from moe_modular.experts.torch_experts import TorchExperts
+from moe_modular.modular_kernel import FusedMoEModularKernel
+from moe_modular.prepare_finalize.no_ep import MoEPrepareAndFinalizeNoEP
+from moe_modular.quant import MoEQuantParams, QuantConfig, quantize_weights
+from moe_modular.reference import moe_torch
+
+q = QuantConfig.fp8_block((128, 128))
+moe = MoEConfig(num_experts=4, topk=2, hidden_dim=128, intermediate_dim=128, dtype=torch.bfloat16, quant=q)
+w1, s1 = quantize_weights(torch.randn(4, 256, 128) / 8, q)
+w2, s2 = quantize_weights(torch.randn(4, 128, 128) / 8, q)
+params = MoEQuantParams(q, s1, s2)
+pf = MoEPrepareAndFinalizeNoEP.make(moe)
+kernel = FusedMoEModularKernel(pf, TorchExperts.for_prepare_finalize(moe, params, pf))
+x = torch.randn(5, 128, dtype=torch.bfloat16)
+w, ids = torch.topk(torch.randn(5, 4).softmax(-1), 2)
+out = kernel(x, w1, w2, w, ids.to(torch.int32)).float()
+ref = moe_torch(x.float(), w1, w2, w, ids, quant=params)
+assert "triton" not in {m.split(".")[0] for m in sys.modules if sys.modules[m] is not None}
+print(float(((out - ref).norm() / ref.norm())))
+''')
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert float(proc.stdout.strip()) < 3e-2

@@ -9,7 +9,7 @@ from typing import Optional
 import torch
 
 from moe_modular.config import Activation
-from moe_modular.kernels.act_and_mul import act_and_mul_torch
+from moe_modular.activation import act_and_mul_torch
 from moe_modular.quant import MoEQuantParams, dequantize_weights, fake_quantize_activations
 
 

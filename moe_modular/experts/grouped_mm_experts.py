@@ -27,7 +27,7 @@ import torch.nn.functional as F
 
 from moe_modular.config import Activation, MoEConfig, dtype_name
 from moe_modular.interfaces import ActivationFormat, ExpertTokensMetadata, FusedMoEExpertsModular
-from moe_modular.kernels.act_and_mul import act_and_mul_torch
+from moe_modular.activation import act_and_mul_torch
 from moe_modular.quant import ActivationQuant, QuantConfig, QuantDtype, WeightQuant, quantize_activations
 from moe_modular.routing import local_route_ids
 from moe_modular.weight_and_reduce import TopKWeightAndReduceNoOp

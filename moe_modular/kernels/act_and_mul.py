@@ -13,6 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
+from moe_modular.activation import SWIGLU_OAI_ALPHA, SWIGLU_OAI_LIMIT, act_and_mul_torch  # noqa: F401 (the oracle)
 from moe_modular.config import Activation
 from moe_modular.fp8_format import FP8_DTYPE
 from moe_modular.kernels.common import (
@@ -28,27 +29,6 @@ from moe_modular.kernels.host import cdiv, next_pow2
 from moe_modular.kernels.launcher import launch
 
 TARGET_PROGRAMS = 4096  # a GPU launch spreads smaller batches over at least this many programs (act_blocks)
-SWIGLU_OAI_ALPHA = 1.702
-SWIGLU_OAI_LIMIT = 7.0
-
-
-def act_and_mul_torch(x_TN2: torch.Tensor, activation: Activation) -> torch.Tensor:
-    """Float32 oracle: x_TN2 (T, 2N) any float dtype -> (T, N) float32."""
-    x = x_TN2.float()
-    if activation is Activation.SWIGLU_OAI:
-        gate, up = x[..., 0::2], x[..., 1::2]
-        gate = gate.clamp(max=SWIGLU_OAI_LIMIT)
-        up = up.clamp(min=-SWIGLU_OAI_LIMIT, max=SWIGLU_OAI_LIMIT)
-        return (up + 1.0) * gate * torch.sigmoid(SWIGLU_OAI_ALPHA * gate)
-    n = x.shape[-1] // 2
-    gate, up = x[..., :n], x[..., n:]
-    if activation is Activation.SILU:
-        return torch.nn.functional.silu(gate) * up
-    if activation is Activation.GELU:
-        return torch.nn.functional.gelu(gate) * up
-    raise ValueError(f"activation ({activation!r}) must be one of {[a.value for a in Activation]}")
-
-
 # ---- Triton -------------------------------------------------------------------------
 
 class IntermediateQuant(enum.Enum):

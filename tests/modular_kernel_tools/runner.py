@@ -14,7 +14,7 @@ from typing import Callable, Optional
 import torch
 
 from moe_modular.config import MoEConfig
-from moe_modular.kernels.act_and_mul import act_and_mul_torch
+from moe_modular.activation import act_and_mul_torch
 from moe_modular.modular_kernel import FusedMoEModularKernel
 from moe_modular.quant import (
     MoEQuantParams,
