@@ -242,3 +242,13 @@ def test_forwards_bitwise_equal_across_launch_modes(T, misaligned):
     assert not torch.isnan(outs["triton"]).any()
     assert any(key[0] is _moe_gemm_kernel and kept is not None for key, kept in launcher._KEPT.items()), \
         "no grouped GEMM launch was kept for direct launches"
+
+
+def test_kept_kernels_are_bounded():
+    from moe_modular.kernels.launcher import KeptKernels
+
+    kept = KeptKernels(limit=3)
+    for i in range(7):
+        kept.put(("key", i), None)
+        assert len(kept) <= 3
+    assert kept.get(("key", 6), "missing") is None and kept.get(("key", 0), "missing") == "missing"

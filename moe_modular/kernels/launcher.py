@@ -116,7 +116,22 @@ class _Kept:
     bare: Optional[tuple] = None
 
 
-_KEPT: dict[tuple, Optional[_Kept]] = {}  # None: this key always takes Triton's path (interpreter)
+class KeptKernels(dict):
+    """The compiled kernels kept for direct launches, by launch key; None under a key: that key always takes
+    Triton's path (the interpreter). Bounded: `put` past `limit` keys starts over (a key dropped is kept again
+    from Triton's own cache on its next launch), so a server seeing many shapes does not grow it without end."""
+
+    def __init__(self, limit: int = 4096) -> None:
+        super().__init__()
+        self.limit = limit
+
+    def put(self, key: tuple, kept: Optional[_Kept]) -> None:
+        if len(self) >= self.limit:
+            self.clear()
+        self[key] = kept
+
+
+_KEPT = KeptKernels()  # this process's kernels (compiled kernels are per process, as Triton's own cache is)
 _MISSING = object()
 
 
@@ -142,7 +157,7 @@ def launch(kernel, grid: tuple, *args, **kw) -> None:
     key = (kernel, device, tuple(kw.items()), arg_kinds(args))
     kept = _KEPT.get(key, _MISSING)
     if kept is _MISSING:
-        _KEPT[key] = _keep(kernel, grid, args, kw, device)
+        _KEPT.put(key, _keep(kernel, grid, args, kw, device))
         return
     if kept is None:
         kernel[grid](*args, **kw)
