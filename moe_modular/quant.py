@@ -21,8 +21,6 @@ import torch
 
 from moe_modular.fp8_format import FP8_DTYPE, FP8_MAX, MIN_AMAX
 
-# Smallest amax used when computing a scale, so an all-zero row gets a finite scale.
-
 
 class QuantDtype(enum.Enum):
     """Number format of quantized activations and weights."""

@@ -12,8 +12,9 @@ import pytest
 import torch
 import triton
 
+from moe_modular.activation import act_and_mul_torch
 from moe_modular.config import Activation
-from moe_modular.kernels.act_and_mul import IntermediateQuant, RowMode, act_and_mul, act_and_mul_torch
+from moe_modular.kernels.act_and_mul import IntermediateQuant, RowMode, act_and_mul
 from moe_modular.kernels.moe_align import ALIGN_BLOCK, align_workspace_numel, moe_align, moe_align_torch
 from moe_modular.kernels.moe_gemm import AScale, BScale, GemmTile, gpu_has_tma, moe_gemm, moe_gemm_torch
 from moe_modular.kernels.moe_sum import moe_sum, moe_sum_torch

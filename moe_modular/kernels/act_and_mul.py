@@ -1,4 +1,5 @@
-"""Gated activation (act(gate) * up) over the w1 output, optionally fused with fp8 quantization.
+"""Gated activation (act(gate) * up) over the w1 output, optionally fused with fp8 quantization. Its float32
+oracle is moe_modular.activation.act_and_mul_torch (torch only: the CPU path and the oracle need no Triton).
 
 Shape legend: T rows, N2 = 2 * N columns of the w1 output, N intermediate size, R rows of a
 Triton launch (routes, or El * Bt batched slots), El local experts, Bt slots per expert,
@@ -13,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from moe_modular.activation import SWIGLU_OAI_ALPHA, SWIGLU_OAI_LIMIT, act_and_mul_torch  # noqa: F401 (the oracle)
+from moe_modular.activation import SWIGLU_OAI_ALPHA, SWIGLU_OAI_LIMIT
 from moe_modular.config import Activation
 from moe_modular.fp8_format import FP8_DTYPE
 from moe_modular.kernels.common import (

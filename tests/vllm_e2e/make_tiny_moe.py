@@ -190,31 +190,30 @@ def make_tiny_moe_fp8(out_dir: str, spec: TinyMoESpec = FP8_SPEC) -> tuple[str, 
     if spec.hidden_size % FP8_BLOCK or spec.moe_intermediate_size % FP8_BLOCK:
         raise ValueError(f"fp8 block checkpoint needs hidden_size ({spec.hidden_size}) and moe_intermediate_size "
                          f"({spec.moe_intermediate_size}) to be multiples of {FP8_BLOCK}")
-    dirs = {name: os.path.join(out_dir, name) for name in ("fp8", "dequantized")}
-    weights = None
-    for name, d in dirs.items():
+    fp8_dir, deq_dir = os.path.join(out_dir, "fp8"), os.path.join(out_dir, "dequantized")
+    for d in (fp8_dir, deq_dir):
         os.makedirs(d, exist_ok=True)
-        tok, vocab_size = _write_tokenizer(d)
-        cfg = _config(spec, tok, vocab_size, "bfloat16")
-        weights = weights if weights is not None else _vary_expert_magnitudes(_random_weights(cfg, spec), spec)
-        out = dict(weights)
-        for key in _expert_weight_names(spec):
-            q, scale, deq = quantize_block_pow2(weights[key])
-            if name == "fp8":
-                out[key] = q
-                out[key.replace(".weight", ".weight_scale_inv")] = scale
-            else:
-                out[key] = deq
-        if name == "fp8":
-            # Only the routed experts are fp8: attention, router and lm_head stay as they are.
-            ignored = ["lm_head"] + [f"model.layers.{i}.{m}" for i in range(spec.num_layers)
-                                     for m in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj",
-                                               "self_attn.o_proj", "mlp.gate")]
-            cfg.quantization_config = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
-                                       "weight_block_size": [FP8_BLOCK, FP8_BLOCK], "ignored_layers": ignored}
-        cfg.save_pretrained(d)
-        save_file(out, os.path.join(d, "model.safetensors"), metadata={"format": "pt"})
-    return dirs["fp8"], dirs["dequantized"]
+    tok, vocab_size = _write_tokenizer(fp8_dir)
+    _write_tokenizer(deq_dir)
+    cfg = _config(spec, tok, vocab_size, "bfloat16")
+    weights = _vary_expert_magnitudes(_random_weights(cfg, spec), spec)
+    fp8_weights, deq_weights = dict(weights), dict(weights)
+    for key in _expert_weight_names(spec):
+        q, scale, deq = quantize_block_pow2(weights[key])
+        fp8_weights[key] = q
+        fp8_weights[key.replace(".weight", ".weight_scale_inv")] = scale
+        deq_weights[key] = deq
+    cfg.save_pretrained(deq_dir)
+    save_file(deq_weights, os.path.join(deq_dir, "model.safetensors"), metadata={"format": "pt"})
+    # Only the routed experts are fp8: attention, router and lm_head stay as they are.
+    ignored = ["lm_head"] + [f"model.layers.{i}.{m}" for i in range(spec.num_layers)
+                             for m in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj",
+                                       "self_attn.o_proj", "mlp.gate")]
+    cfg.quantization_config = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                               "weight_block_size": [FP8_BLOCK, FP8_BLOCK], "ignored_layers": ignored}
+    cfg.save_pretrained(fp8_dir)
+    save_file(fp8_weights, os.path.join(fp8_dir, "model.safetensors"), metadata={"format": "pt"})
+    return fp8_dir, deq_dir
 
 
 def main() -> None:
