@@ -12,7 +12,7 @@ from __future__ import annotations
 import enum
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -48,6 +48,9 @@ class PrepareResult:
     expert_tokens_meta: token counts per local expert (always set for BatchedExperts).
     topk_ids / topk_weights: (T', k) for the received tokens when the PF re-routes them
       (EP standard PFs), else None (the experts use the caller's).
+    handle: what this forward's finalize needs from its prepare (the combine handle, a frozen value of
+      the PF's own type; None for PFs that need nothing). The caller hands it to finalize, so one PF
+      instance can have several micro-batches between prepare and finalize.
     """
 
     a1q: torch.Tensor
@@ -55,6 +58,12 @@ class PrepareResult:
     expert_tokens_meta: Optional[ExpertTokensMetadata] = None
     topk_ids: Optional[torch.Tensor] = None
     topk_weights: Optional[torch.Tensor] = None
+    handle: Any = None
+
+
+# Micro-batches one PF instance can have between prepare and finalize at once (each gets its own
+# communication buffers; prepare's micro_batch picks them).
+MICRO_BATCHES = 2
 
 
 def check_supported(cls: type, moe: MoEConfig) -> None:
@@ -111,9 +120,12 @@ class FusedMoEPrepareAndFinalizeModular(ABC):
         expert_map: Optional[torch.Tensor],
         apply_router_weight_on_input: bool,
         quant: MoEQuantParams,
+        micro_batch: int = 0,
     ) -> PrepareResult:
         """a1 (T, K) activations, topk_weights (T, k) float32, topk_ids (T, k) int; num_experts is E;
-        expert_map (E,) int32 global -> local id or -1."""
+        expert_map (E,) int32 global -> local id or -1; micro_batch in [0, MICRO_BATCHES): which
+        communication buffers this forward uses (two micro-batches in flight need different ones).
+        The result's `handle` goes to finalize."""
 
     @classmethod
     def expects_replicated_input(cls) -> bool:
@@ -138,6 +150,7 @@ class FusedMoEPrepareAndFinalizeModular(ABC):
         expert_map: Optional[torch.Tensor],
         apply_router_weight_on_input: bool,
         quant: MoEQuantParams,
+        micro_batch: int = 0,
     ) -> Callable[[], PrepareResult]:
         """Start the dispatch and return a receiver that completes it (for overlap)."""
         raise NotImplementedError(f"{type(self).__name__} has no prepare_no_receive")
@@ -151,8 +164,10 @@ class FusedMoEPrepareAndFinalizeModular(ABC):
         topk_ids: torch.Tensor,
         apply_router_weight_on_input: bool,
         weight_and_reduce_impl: TopKWeightAndReduce,
+        handle: Any,
     ) -> None:
-        """Write the final (T, K) result of this rank's tokens into `output`."""
+        """Write the final (T, K) result of this rank's tokens into `output`; `handle` is the
+        PrepareResult.handle of the prepare of the same tokens."""
 
     def finalize_passes_through(self, weight_and_reduce_impl: TopKWeightAndReduce) -> bool:
         """True when finalize, with this impl, only copies a (T, K) fused output that is already final

@@ -6,6 +6,7 @@ El local experts, E global experts.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Callable, Optional
 
 import torch
@@ -25,13 +26,48 @@ from moe_modular.workspace import WorkspaceCache
 DEFAULT_CHUNK_SIZE = 32 * 1024
 
 
+@dataclass(frozen=True)
+class _Call:
+    """One forward's checked arguments; prepare / start run one micro-batch's rows of them."""
+
+    pf: FusedMoEPrepareAndFinalizeModular
+    quant: MoEQuantParams
+    hidden_states: torch.Tensor
+    w1: torch.Tensor
+    w2: torch.Tensor
+    topk_weights: torch.Tensor
+    topk_ids: torch.Tensor
+    activation: Activation
+    global_num_experts: int
+    expert_map: Optional[torch.Tensor]
+    apply_router_weight_on_input: bool
+    output: torch.Tensor
+
+    def rows(self, part: int, parts: int) -> slice:
+        """The rows of micro-batch `part` of `parts`: the first ceil(T/parts) rows first."""
+        T = self.hidden_states.size(0)
+        size = -(-T // parts)
+        return slice(min(part * size, T), min((part + 1) * size, T))
+
+    def _args(self, rows: slice):
+        return (self.hidden_states[rows], self.topk_weights[rows], self.topk_ids[rows], self.global_num_experts,
+                self.expert_map, self.apply_router_weight_on_input, self.quant)
+
+    def prepare(self, micro_batch: int, rows: slice) -> PrepareResult:
+        return self.pf.prepare(*self._args(rows), micro_batch=micro_batch)
+
+    def start(self, micro_batch: int, rows: slice) -> Callable[[], PrepareResult]:
+        return self.pf.prepare_no_receive(*self._args(rows), micro_batch=micro_batch)
+
+
 class FusedMoEModularKernel(torch.nn.Module):
     """prepare (quantize + dispatch) -> experts -> finalize (weight, reduce, combine).
 
     prepare_finalize / fused_experts: the pair; their activation formats must match.
     shared_experts: optional module run on the (un-dispatched) input; when the PF can start its
       dispatch without waiting (`has_prepare_no_receive`) it runs while the dispatch is in flight.
-    workspaces: a WorkspaceCache to share scratch buffers across layers (a private one if None).
+    workspaces: a WorkspaceCache to share scratch buffers across layers (a private one if None); the
+      two-micro-batch forward gives its second micro-batch a private cache of its own.
     chunk_size: Standard-format experts that support chunking see at most this many tokens per
       apply call; larger batches are processed in chunks into one output.
     check_inputs: also check the routing ids' values (each in [0, global_num_experts)) on every forward. That
@@ -64,6 +100,7 @@ class FusedMoEModularKernel(torch.nn.Module):
         self.fused_experts = fused_experts
         self.shared_experts = shared_experts
         self.workspaces = workspaces if workspaces is not None else WorkspaceCache()
+        self.second_workspaces = WorkspaceCache(poison=self.workspaces.poison)
         self.chunk_size = chunk_size
         self.check_inputs = bool(check_inputs)
 
@@ -87,15 +124,77 @@ class FusedMoEModularKernel(torch.nn.Module):
         expert_map (E,) int32 global -> local or -1; output: optional (T, K) buffer to write
         (else hidden_states when inplace, else a new tensor). Returns the (T, K) output, or
         (shared_output, output) when shared experts are set."""
-        pf, fe = self.prepare_finalize, self.fused_experts
-        quant: MoEQuantParams = fe.quant
+        call = self._begin(hidden_states, w1, w2, topk_weights, topk_ids, activation, global_num_experts, expert_map,
+                           apply_router_weight_on_input, inplace, output)
+        pf = self.prepare_finalize
+        shared_output = None
+        with phase("prepare"):
+            if self.shared_experts is not None and pf.has_prepare_no_receive():
+                receiver = call.start(0, call.rows(0, 1))
+                with phase("shared_experts"):
+                    shared_output = self.shared_experts(hidden_states)
+                prepared = receiver()
+            else:
+                prepared = call.prepare(0, call.rows(0, 1))
+        if self.shared_experts is not None and shared_output is None:
+            with phase("shared_experts"):
+                shared_output = self.shared_experts(hidden_states)
+        self._experts_and_finalize(call, call.rows(0, 1), prepared, self.workspaces)
+        if self.shared_experts is not None:
+            return shared_output, call.output
+        return call.output
+
+    def forward_two_micro_batches(
+        self,
+        hidden_states: torch.Tensor,
+        w1: torch.Tensor,
+        w2: torch.Tensor,
+        topk_weights: torch.Tensor,
+        topk_ids: torch.Tensor,
+        activation: Activation = Activation.SILU,
+        global_num_experts: int = -1,
+        expert_map: Optional[torch.Tensor] = None,
+        apply_router_weight_on_input: bool = False,
+        inplace: bool = False,
+        output: Optional[torch.Tensor] = None,
+    ):
+        """forward's arguments and result, computed as two micro-batches whose communication overlaps the other's
+        compute: the tokens are split in two halves, A (the first ceil(T/2) rows) and B (the rest, possibly none);
+        A's and B's dispatches both start, then A's experts and combine run while B's dispatch completes, then B's
+        experts and combine. Shared experts run once, on all tokens, while both dispatches are in flight. Every
+        rank must call it when one does (each micro-batch is a collective step, even when it holds no tokens)."""
+        call = self._begin(hidden_states, w1, w2, topk_weights, topk_ids, activation, global_num_experts, expert_map,
+                           apply_router_weight_on_input, inplace, output)
+        pf = self.prepare_finalize
+        halves = (call.rows(0, 2), call.rows(1, 2))
+        with phase("prepare"):
+            if pf.has_prepare_no_receive():
+                receivers = [call.start(mb, rows) for mb, rows in enumerate(halves)]
+            else:
+                prepared = [call.prepare(mb, rows) for mb, rows in enumerate(halves)]
+                receivers = [lambda p=p: p for p in prepared]
+        shared_output = None
+        if self.shared_experts is not None:
+            with phase("shared_experts"):
+                shared_output = self.shared_experts(hidden_states)
+        for mb, (rows, workspaces) in enumerate(zip(halves, (self.workspaces, self.second_workspaces))):
+            with phase("prepare"):
+                prepared_mb = receivers[mb]()
+            self._experts_and_finalize(call, rows, prepared_mb, workspaces)
+        if self.shared_experts is not None:
+            return shared_output, call.output
+        return call.output
+
+    def _begin(self, hidden_states, w1, w2, topk_weights, topk_ids, activation, global_num_experts, expert_map,
+               apply_router_weight_on_input, inplace, output) -> "_Call":
+        """The checks and argument normalization every forward starts with."""
         if global_num_experts == -1:
             global_num_experts = w1.size(0) if expert_map is None else expert_map.numel()
         self._check_inputs(hidden_states, w1, w2, topk_weights, topk_ids, expert_map, apply_router_weight_on_input,
                            global_num_experts)
         if self.check_inputs:
             check_routing_values(topk_ids, global_num_experts)
-        idx_dtype = pf.topk_indices_dtype()
+        idx_dtype = self.prepare_finalize.topk_indices_dtype()
         if idx_dtype is not None and topk_ids.dtype != idx_dtype:
             topk_ids = topk_ids.to(idx_dtype)
         if output is None:
@@ -105,32 +204,20 @@ class FusedMoEModularKernel(torch.nn.Module):
                 f"output {tuple(output.shape)} {output.dtype} must match hidden_states "
                 f"{tuple(hidden_states.shape)} {hidden_states.dtype}"
             )
+        return _Call(self.prepare_finalize, self.fused_experts.quant, hidden_states, w1, w2, topk_weights, topk_ids,
+                     activation, global_num_experts, expert_map, apply_router_weight_on_input, output)
 
-        args = (hidden_states, topk_weights, topk_ids, global_num_experts, expert_map,
-                apply_router_weight_on_input, quant)
-        shared_output = None
-        with phase("prepare"):
-            if self.shared_experts is not None and pf.has_prepare_no_receive():
-                receiver = pf.prepare_no_receive(*args)
-                with phase("shared_experts"):
-                    shared_output = self.shared_experts(hidden_states)
-                prepared = receiver()
-            else:
-                prepared = pf.prepare(*args)
-        if self.shared_experts is not None and shared_output is None:
-            with phase("shared_experts"):
-                shared_output = self.shared_experts(hidden_states)
-
+    def _experts_and_finalize(self, call: "_Call", rows: slice, prepared: PrepareResult,
+                              workspaces: WorkspaceCache) -> None:
+        fe = self.fused_experts
+        output, topk_weights, topk_ids = call.output[rows], call.topk_weights[rows], call.topk_ids[rows]
         with phase("experts"):
-            fused_out = self._run_experts(prepared, w1, w2, topk_weights, topk_ids, activation,
-                                          global_num_experts, expert_map, apply_router_weight_on_input, output)
-
+            fused_out = self._run_experts(prepared, call.w1, call.w2, topk_weights, topk_ids, call.activation,
+                                          call.global_num_experts, call.expert_map,
+                                          call.apply_router_weight_on_input, output, workspaces)
         with phase("finalize"):
-            pf.finalize(output, fused_out, topk_weights, topk_ids, apply_router_weight_on_input,
-                        fe.finalize_weight_and_reduce_impl())
-        if self.shared_experts is not None:
-            return shared_output, output
-        return output
+            call.pf.finalize(output, fused_out, topk_weights, topk_ids, call.apply_router_weight_on_input,
+                             fe.finalize_weight_and_reduce_impl(), prepared.handle)
 
     def _writes_output_directly(self, output: torch.Tensor, out_shape, fe, a1q: torch.Tensor) -> bool:
         """Whether the experts can write the caller's output: finalize would only copy their final (T, K)
@@ -179,7 +266,8 @@ class FusedMoEModularKernel(torch.nn.Module):
             raise ValueError(f"{type(self.fused_experts).__name__} does not support expert_map")
 
     def _run_experts(self, prepared: PrepareResult, w1, w2, topk_weights, topk_ids, activation,
-                     global_num_experts, expert_map, apply_router_weight_on_input, output) -> torch.Tensor:
+                     global_num_experts, expert_map, apply_router_weight_on_input, output,
+                     workspaces: WorkspaceCache) -> torch.Tensor:
         fe = self.fused_experts
         a1q = prepared.a1q
         if prepared.topk_ids is not None:
@@ -203,11 +291,11 @@ class FusedMoEModularKernel(torch.nn.Module):
         if self._writes_output_directly(output, out_shape, fe, a1q):
             fused_out = output
         else:
-            fused_out = self.workspaces.get("fused_out", tuple(out_shape), fe.moe.dtype, dev)
+            fused_out = workspaces.get("fused_out", tuple(out_shape), fe.moe.dtype, dev)
         if M == 0:
             return fused_out
-        ws13 = self.workspaces.get("workspace13", tuple(ws13_shape), ws_dtype, dev)
-        ws2 = self.workspaces.get("workspace2", tuple(ws2_shape), ws_dtype, dev)
+        ws13 = workspaces.get("workspace13", tuple(ws13_shape), ws_dtype, dev)
+        ws2 = workspaces.get("workspace2", tuple(ws2_shape), ws_dtype, dev)
         scale = prepared.a1q_scale
         for start in range(0, M, chunk):
             end = min(start + chunk, M)

@@ -295,10 +295,10 @@ def _refusals_worker(pgi) -> None:
         assert "tokens (3) must be <= max_num_tokens (2)" in str(exc)
     else:
         raise AssertionError("more tokens than the buffer holds must be refused")
-    pf.prepare(x[:2], torch.ones(2, 2), ids[:2], 8, None, False, MoEQuantParams())
+    prepared = pf.prepare(x[:2], torch.ones(2, 2), ids[:2], 8, None, False, MoEQuantParams())
     try:
         pf.finalize(torch.empty(2, 128, dtype=torch.bfloat16), torch.zeros(4, 4, 128), torch.ones(2, 2), ids[:2],
-                    False, TopKWeightAndReduceContiguous())
+                    False, TopKWeightAndReduceContiguous(), prepared.handle)
     except ValueError as exc:
         assert "must be one of ['TopKWeightAndReduceDelegate', 'TopKWeightAndReduceNaiveBatched']" in str(exc)
     else:

@@ -213,9 +213,9 @@ class _NoReceivePF(MoEPrepareAndFinalizeNoEP):
     def has_prepare_no_receive(self):
         return True
 
-    def prepare_no_receive(self, *args):
+    def prepare_no_receive(self, *args, micro_batch=0):
         self.log.append("dispatch started")
-        result = self.prepare(*args)
+        result = self.prepare(*args, micro_batch=micro_batch)
 
         def receive() -> PrepareResult:
             self.log.append("dispatch received")

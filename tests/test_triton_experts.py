@@ -186,7 +186,7 @@ def test_batched_triton_experts_match_oracle(c: Case):
         assert torch.isfinite(out[e, :n]).all(), f"expert {e}: a used slot was not written"
         assert out[e, n:].isnan().all(), f"expert {e}: a slot past its count was written"
     final = torch.empty_like(x)
-    pf.finalize(final, out, tw, ti, c.on_input, fe.finalize_weight_and_reduce_impl())
+    pf.finalize(final, out, tw, ti, c.on_input, fe.finalize_weight_and_reduce_impl(), prepared.handle)
     ref = _reference(c, qp, x, w1, w2, tw, ti, None)
     err = ((final.float() - ref).norm() / ref.norm()).item()
     assert err <= tolerance(c.dtype, c.quant), f"relative error {err:.3e}"
@@ -211,7 +211,7 @@ def test_batched_activation_in_the_first_gemm_or_its_own_kernel(fuse: bool, monk
     for e in range(El):
         assert out[e, int(counts[e]):].isnan().all(), f"expert {e}: a slot past its count was written"
     final = torch.empty_like(x)
-    pf.finalize(final, out, tw, ti, False, fe.finalize_weight_and_reduce_impl())
+    pf.finalize(final, out, tw, ti, False, fe.finalize_weight_and_reduce_impl(), prepared.handle)
     ref = _reference(c, qp, x, w1, w2, tw, ti, None)
     assert ((final.float() - ref).norm() / ref.norm()).item() <= tolerance(c.dtype, c.quant)
 

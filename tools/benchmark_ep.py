@@ -595,7 +595,7 @@ def run_cell(spec: PFSpec, wire: str, qc: QuantConfig, T: int, data: _RankData, 
         out2 = torch.empty_like(x)
         row["dispatch_us"], row["combine_us"] = timer.medians_us([
             lambda: pf.prepare(x, tw, ids, moe.num_experts, expert_map, False, fe.quant),
-            lambda: pf.finalize(out2, fused, tw, ids, False, impl),
+            lambda: pf.finalize(out2, fused, tw, ids, False, impl, prepared.handle),
         ])
     except Exception as exc:  # noqa: BLE001 - the cell is reported FAIL with its error, the run goes on
         row["status"] = "FAIL"

@@ -318,7 +318,8 @@ def phase_times_us(pf, fe, weights: Weights, inp: InputSet, timer: Timer) -> dic
         "experts": lambda: fe.apply(fused, prepared.a1q, weights.w1, weights.w2, inp.topk_weights, inp.topk_ids,
                                     Activation.SILU, E, None, prepared.a1q_scale, qp.a2_scale, ws13, ws2,
                                     prepared.expert_tokens_meta, False),
-        "finalize": lambda: pf.finalize(out, fused, inp.topk_weights, inp.topk_ids, False, reduce_impl),
+        "finalize": lambda: pf.finalize(out, fused, inp.topk_weights, inp.topk_ids, False, reduce_impl,
+                                        prepared.handle),
     }
     times = {}
     for name, fn in phases.items():

@@ -19,7 +19,7 @@ from moe_modular.interfaces import (
     PrepareResult,
 )
 from moe_modular.prepare_finalize.combine_wire import CombineWire, combine_wire, default_combine_wire
-from moe_modular.prepare_finalize.common import apply_weight_on_input
+from moe_modular.prepare_finalize.common import apply_weight_on_input, buffer_tag, check_micro_batch, finalize_handle
 from moe_modular.prepare_finalize.ep_common import (
     ExpertPlacementTables,
     activation_wire_dtype,
@@ -41,9 +41,10 @@ from moe_modular.weight_and_reduce import (
 
 @dataclass(frozen=True)
 class _Dispatched:
-    """What finalize needs from the prepare of the same forward."""
+    """What finalize needs from the prepare of the same forward (PrepareResult.handle)."""
 
     T: int
+    micro_batch: int
     layout: RowLayout  # token rows, dispatch direction
     send_rank_S: torch.Tensor  # (S,) int64 destination of each sent row
     send_tok_S: torch.Tensor  # (S,) int64 token of each sent row
@@ -85,7 +86,6 @@ class AllToAllPrepareAndFinalize(EPPrepareAndFinalize):
         self.row_format = token_row_format(moe.hidden_dim, activation_wire_dtype(moe), self.n_scale, moe.topk, True)
         self.handle = manager.get_handle(
             All2AllHandleConfig(moe.max_num_tokens, self.row_format.row_bytes, moe.num_experts, moe.topk))
-        self._state: Optional[_Dispatched] = None
         self.last_combine_rows = 0
 
     # ---- capabilities -----------------------------------------------------------------------
@@ -118,20 +118,23 @@ class AllToAllPrepareAndFinalize(EPPrepareAndFinalize):
 
     # ---- prepare ------------------------------------------------------------------------------
     def prepare(self, a1, topk_weights, topk_ids, num_experts, expert_map, apply_router_weight_on_input,
-                quant: MoEQuantParams) -> PrepareResult:
+                quant: MoEQuantParams, micro_batch: int = 0) -> PrepareResult:
         """a1 (T, K); topk_weights (T, k) float32; topk_ids (T, k) global ids (-1: no route).
         Returns the received tokens: a1q (R, K), a1q_scale (1,) / (R, 1) / (R, G) / None,
         topk_ids (R, k) local ids or -1, topk_weights (R, k), expert_tokens_meta (El,) route counts."""
-        return self._start(a1, topk_weights, topk_ids, num_experts, apply_router_weight_on_input, quant, False)()
+        return self._start(a1, topk_weights, topk_ids, num_experts, apply_router_weight_on_input, quant, False,
+                           micro_batch)()
 
     def prepare_no_receive(self, a1, topk_weights, topk_ids, num_experts, expert_map, apply_router_weight_on_input,
-                           quant: MoEQuantParams) -> Callable[[], PrepareResult]:
+                           quant: MoEQuantParams, micro_batch: int = 0) -> Callable[[], PrepareResult]:
         """Exchange the counts, start the token all-to-all and return the receiver that completes it."""
-        return self._start(a1, topk_weights, topk_ids, num_experts, apply_router_weight_on_input, quant, True)
+        return self._start(a1, topk_weights, topk_ids, num_experts, apply_router_weight_on_input, quant, True,
+                           micro_batch)
 
     def _start(self, a1, topk_weights, topk_ids, num_experts, apply_on_input, quant: MoEQuantParams,
-               async_op: bool) -> Callable[[], PrepareResult]:
+               async_op: bool, micro_batch: int) -> Callable[[], PrepareResult]:
         moe, W = self.moe, self.world_size
+        mb = check_micro_batch(self, micro_batch)
         if num_experts != moe.num_experts:
             raise ValueError(f"num_experts ({num_experts}) must equal moe.num_experts ({moe.num_experts})")
         T, k = topk_ids.shape
@@ -147,29 +150,28 @@ class AllToAllPrepareAndFinalize(EPPrepareAndFinalize):
         fields = [xq] + ([scale] if self.n_scale else []) + [topk_ids.to(torch.int32), topk_weights.float()]
         rows_SB = self.row_format.pack(fields).index_select(0, send_tok_S)
         with phase("dispatch"):
-            pending = self.manager.dispatch(self.handle, rows_SB, layout, async_op=async_op, tag="tokens")
+            pending = self.manager.dispatch(self.handle, rows_SB, layout, async_op=async_op,
+                                            tag=buffer_tag("tokens", mb))
         per_tensor_scale = scale if (scale is not None and not self.n_scale) else None
 
         def receive() -> PrepareResult:
             got = self.row_format.unpack(pending.wait())
             local_Rk = self.tables.local_on(got["ids"], self.rank)
             weights_Rk = got["weights"]
-            self._state = _Dispatched(T, layout, send_rank_S, send_tok_S, owner_Tk, local_Rk, weights_Rk)
             meta = ExpertTokensMetadata(expert_num_tokens=local_expert_counts(local_Rk, moe.num_local_experts))
             return PrepareResult(a1q=got["x"], a1q_scale=got["scale"] if self.n_scale else per_tensor_scale,
-                                 expert_tokens_meta=meta, topk_ids=local_Rk, topk_weights=weights_Rk)
+                                 expert_tokens_meta=meta, topk_ids=local_Rk, topk_weights=weights_Rk,
+                                 handle=_Dispatched(T, mb, layout, send_rank_S, send_tok_S, owner_Tk, local_Rk,
+                                                    weights_Rk))
 
         return receive
 
     # ---- finalize -----------------------------------------------------------------------------
     def finalize(self, output, fused_expert_output, topk_weights, topk_ids, apply_router_weight_on_input,
-                 weight_and_reduce_impl) -> None:
+                 weight_and_reduce_impl, handle) -> None:
         """output (T, K); fused_expert_output (R, k, K) or (R*k, K) unreduced route rows, or (R, K)
         when the experts reduced (NoOp); topk_weights / topk_ids (T, k) as given to prepare."""
-        st = self._state
-        if st is None or st.T != output.size(0):
-            raise RuntimeError(f"{type(self).__name__}.finalize must follow its prepare for the same tokens")
-        self._state = None
+        st = finalize_handle(self, handle, _Dispatched, output.size(0))
         impl = resolve_weight_and_reduce(weight_and_reduce_impl, TopKWeightAndReduceContiguous())
         route_rows = not isinstance(impl, TopKWeightAndReduceNoOp)
         if self.wire.per_route and route_rows:
@@ -182,7 +184,8 @@ class AllToAllPrepareAndFinalize(EPPrepareAndFinalize):
         """Reverse all-to-all of wire rows (any dtype, moved as bytes) -> rows in dispatch send order."""
         dtype, X = rows_RX.dtype, rows_RX.size(1)
         with phase("combine"):
-            back = self.manager.combine(self.handle, rows_RX.contiguous().view(torch.uint8), layout, tag=tag).wait()
+            back = self.manager.combine(self.handle, rows_RX.contiguous().view(torch.uint8), layout,
+                                        tag=tag).wait()
         self.last_combine_rows = rows_RX.size(0) * self.wire.rows_per_entry
         return back.view(dtype).reshape(-1, X)
 
@@ -196,7 +199,8 @@ class AllToAllPrepareAndFinalize(EPPrepareAndFinalize):
             if tuple(fused.shape) != (R, K):
                 raise ValueError(f"reduced expert output must be ({R}, {K}), got {tuple(fused.shape)}")
             sums_RK = fused
-        back_SK = self.wire.decode(self._send_back(self.wire.encode(sums_RK), st.layout, "reduced"), K)
+        back_SK = self.wire.decode(self._send_back(self.wire.encode(sums_RK), st.layout,
+                                                   buffer_tag("reduced", st.micro_batch)), K)
         acc_WTK = torch.zeros((self.world_size, st.T, K), dtype=torch.float32, device=back_SK.device)
         acc_WTK[st.send_rank_S, st.send_tok_S] = back_SK
         return acc_WTK.sum(dim=0)
@@ -215,7 +219,8 @@ class AllToAllPrepareAndFinalize(EPPrepareAndFinalize):
         mine_WTk = st.owner_Tk.unsqueeze(0) == ranks_W.view(W, 1, 1)
         counts = torch.cat([mine_WTk.sum(dim=(1, 2)), recv_routes]).tolist()
         route_layout = RowLayout(tuple(counts[:W]), tuple(counts[W:]))
-        back_XK = self.wire.decode(self._send_back(self.wire.encode(rows_XK), route_layout, "routes"), K)
+        back_XK = self.wire.decode(self._send_back(self.wire.encode(rows_XK), route_layout,
+                                                   buffer_tag("routes", st.micro_batch)), K)
         _, tok, slot = mine_WTk.nonzero(as_tuple=True)  # rank, then token, then k: the order rows come back
         y_TkK = torch.zeros((st.T, k, K), dtype=torch.float32, device=back_XK.device)
         y_TkK[tok, slot] = back_XK

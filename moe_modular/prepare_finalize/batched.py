@@ -5,6 +5,7 @@ Shape legend: T tokens, K hidden, k topk, El local experts, B = max tokens per e
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -17,9 +18,22 @@ from moe_modular.interfaces import (
     PrepareResult,
     check_supported,
 )
-from moe_modular.prepare_finalize.common import apply_weight_on_input, local_expert_ids
+from moe_modular.prepare_finalize.common import (
+    apply_weight_on_input,
+    check_micro_batch,
+    finalize_handle,
+    local_expert_ids,
+)
 from moe_modular.quant import ActivationQuant, MoEQuantParams, quantize_activations
 from moe_modular.weight_and_reduce import TopKWeightAndReduceNaiveBatched, resolve_weight_and_reduce
+
+
+@dataclass(frozen=True)
+class _Routes:
+    """What finalize needs from the prepare of the same forward (PrepareResult.handle)."""
+
+    T: int
+    local_ids_Tk: torch.Tensor  # (T, k) int64 local ids (-1: not held here), by which prepare laid out the slots
 
 
 class BatchedPrepareAndFinalize(FusedMoEPrepareAndFinalizeModular):
@@ -38,8 +52,6 @@ class BatchedPrepareAndFinalize(FusedMoEPrepareAndFinalizeModular):
         self.num_local_experts = num_local_experts
         self._num_dispatchers = num_dispatchers
         self.rank = rank
-        # Local ids of the last prepare, read by the matching finalize (same forward).
-        self._local_ids_Tk: Optional[torch.Tensor] = None
 
     @classmethod
     def supports(cls, moe: MoEConfig) -> tuple[bool, str]:
@@ -56,8 +68,9 @@ class BatchedPrepareAndFinalize(FusedMoEPrepareAndFinalizeModular):
         return local_expert_ids(topk_ids, expert_map, self.rank * self.num_local_experts, self.num_local_experts)
 
     def prepare(self, a1, topk_weights, topk_ids, num_experts, expert_map, apply_router_weight_on_input,
-                quant: MoEQuantParams) -> PrepareResult:
+                quant: MoEQuantParams, micro_batch: int = 0) -> PrepareResult:
         """a1 (T, K) -> a1q (El, B, K), scale (1,) per-tensor / (El, B, 1) per-token / (El, B, G) group."""
+        check_micro_batch(self, micro_batch)
         T, K = a1.shape
         if T > self.max_num_tokens:
             raise ValueError(f"tokens ({T}) must be <= max_num_tokens ({self.max_num_tokens})")
@@ -65,7 +78,6 @@ class BatchedPrepareAndFinalize(FusedMoEPrepareAndFinalizeModular):
         a1 = apply_weight_on_input(a1, topk_weights, apply_router_weight_on_input)
         aq, scale = quantize_activations(a1, quant.config, quant.a1_scale)
         local = self._local_ids(topk_ids, expert_map)
-        self._local_ids_Tk = local
         b_a1q = torch.zeros((El, B, K), dtype=aq.dtype, device=a1.device)
         row_scaled = scale is not None and quant.config.activation is not ActivationQuant.PER_TENSOR
         b_scale = (torch.ones((El, B, scale.size(1)), dtype=torch.float32, device=a1.device)
@@ -81,16 +93,14 @@ class BatchedPrepareAndFinalize(FusedMoEPrepareAndFinalizeModular):
                 b_scale[e, :n] = scale[tok]
             counts[e] = n
         meta = ExpertTokensMetadata(expert_num_tokens=counts, expert_num_tokens_cpu=counts.cpu())
-        return PrepareResult(a1q=b_a1q, a1q_scale=b_scale, expert_tokens_meta=meta)
+        return PrepareResult(a1q=b_a1q, a1q_scale=b_scale, expert_tokens_meta=meta, handle=_Routes(T, local))
 
     def finalize(self, output, fused_expert_output, topk_weights, topk_ids, apply_router_weight_on_input,
-                 weight_and_reduce_impl) -> None:
+                 weight_and_reduce_impl, handle) -> None:
         impl = resolve_weight_and_reduce(weight_and_reduce_impl, TopKWeightAndReduceNaiveBatched())
-        if self._local_ids_Tk is None or self._local_ids_Tk.shape != topk_ids.shape:
-            raise RuntimeError("BatchedPrepareAndFinalize.finalize must follow its prepare for the same tokens")
+        routes = finalize_handle(self, handle, _Routes, output.size(0))
         # The batched reduction reads local ids; prepare laid the slots out by them.
-        local, self._local_ids_Tk = self._local_ids_Tk, None
-        impl.apply(output, fused_expert_output, topk_weights, local, apply_router_weight_on_input)
+        impl.apply(output, fused_expert_output, topk_weights, routes.local_ids_Tk, apply_router_weight_on_input)
 
     @classmethod
     def activation_format(cls) -> ActivationFormat:

@@ -24,7 +24,7 @@ from moe_modular.interfaces import (
     ExpertTokensMetadata,
     PrepareResult,
 )
-from moe_modular.prepare_finalize.common import apply_weight_on_input
+from moe_modular.prepare_finalize.common import apply_weight_on_input, check_micro_batch, finalize_handle
 from moe_modular.prepare_finalize.deepep_common import (
     deepep_supports,
     linear_expert_table,
@@ -48,7 +48,7 @@ from moe_modular.weight_and_reduce import (
 
 @dataclass(frozen=True)
 class _Dispatched:
-    """What finalize needs from the prepare of the same forward."""
+    """What finalize needs from the prepare of the same forward (PrepareResult.handle)."""
 
     T: int
     handle: Any  # DeepEP's communication handle
@@ -79,7 +79,6 @@ class DeepEPHTPrepareAndFinalize(EPPrepareAndFinalize):
         self.padded_hidden = self.padded_hidden_size(moe)
         self.handle = manager.get_handle(DeepEPHTBufferConfig(self.padded_hidden * HT_COMBINE_DTYPE.itemsize))
         self.linear_E = linear_expert_table(ExpertPlacementTables.build(moe, manager.device))
-        self._state: Optional[_Dispatched] = None
 
     # ---- capabilities -----------------------------------------------------------------------
     @classmethod
@@ -124,11 +123,13 @@ class DeepEPHTPrepareAndFinalize(EPPrepareAndFinalize):
 
     # ---- prepare ------------------------------------------------------------------------------
     def prepare(self, a1, topk_weights, topk_ids, num_experts, expert_map, apply_router_weight_on_input,
-                quant: MoEQuantParams) -> PrepareResult:
+                quant: MoEQuantParams, micro_batch: int = 0) -> PrepareResult:
         """a1 (T, K) bf16; topk_weights (T, k) float32; topk_ids (T, k) int64 global ids (-1: no route).
         The placement comes from moe.parallel (expert_map is not consulted).
         Returns the received tokens: a1q (R, K) fp8 or bf16, a1q_scale (R, G) / (R, 1) / (1,) / None,
-        topk_ids (R, k) int64 local ids or -1, topk_weights (R, k) float32, per-local-expert counts."""
+        topk_ids (R, k) int64 local ids or -1, topk_weights (R, k) float32, per-local-expert counts.
+        DeepEP returns freshly allocated received tensors, so micro-batches need no buffers of their own."""
+        check_micro_batch(self, micro_batch)
         moe = self.moe
         if num_experts != moe.num_experts:
             raise ValueError(f"num_experts ({num_experts}) must equal moe.num_experts ({moe.num_experts})")
@@ -147,7 +148,7 @@ class DeepEPHTPrepareAndFinalize(EPPrepareAndFinalize):
         buf = self.handle.deep_ep_buffer
         per_rank, per_rdma_rank, per_expert, in_rank, _ = buf.get_dispatch_layout(ids_Tk, num_experts)
         with phase("dispatch"):
-            recv_x, recv_ids_Rk, recv_w_Rk, recv_per_expert, handle, _ = buf.dispatch(
+            recv_x, recv_ids_Rk, recv_w_Rk, recv_per_expert, deep_ep_handle, _ = buf.dispatch(
                 x, topk_idx=ids_Tk, topk_weights=weights_Tk,
                 num_tokens_per_rank=per_rank, num_tokens_per_rdma_rank=per_rdma_rank,
                 is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
@@ -160,21 +161,18 @@ class DeepEPHTPrepareAndFinalize(EPPrepareAndFinalize):
             a1q, a1q_scale = quantize_for_dispatch(recv_x[:, :K].contiguous(), quant, self.group)
         recv_ids_Rk = recv_ids_Rk.long()
         recv_w_Rk = recv_w_Rk.float()
-        self._state = _Dispatched(T, handle, recv_ids_Rk, recv_w_Rk)
         counts_cpu = torch.tensor(list(recv_per_expert), dtype=torch.int32)
         meta = ExpertTokensMetadata(expert_num_tokens=counts_cpu.to(a1q.device), expert_num_tokens_cpu=counts_cpu)
         return PrepareResult(a1q=a1q, a1q_scale=a1q_scale, expert_tokens_meta=meta,
-                             topk_ids=recv_ids_Rk, topk_weights=recv_w_Rk)
+                             topk_ids=recv_ids_Rk, topk_weights=recv_w_Rk,
+                             handle=_Dispatched(T, deep_ep_handle, recv_ids_Rk, recv_w_Rk))
 
     # ---- finalize -----------------------------------------------------------------------------
     def finalize(self, output, fused_expert_output, topk_weights, topk_ids, apply_router_weight_on_input,
-                 weight_and_reduce_impl) -> None:
+                 weight_and_reduce_impl, handle) -> None:
         """output (T, K) bf16; fused_expert_output (R, k, K) / (R*k, K) route rows, or (R, K) when the
         experts reduced (impl NoOp); topk_weights / topk_ids (T, k) as given to prepare."""
-        st = self._state
-        if st is None or st.T != output.size(0):
-            raise RuntimeError(f"{type(self).__name__}.finalize must follow its prepare for the same tokens")
-        self._state = None
+        st = finalize_handle(self, handle, _Dispatched, output.size(0))
         K = self.moe.hidden_dim
         R = st.recv_local_Rk.size(0)
         impl = resolve_weight_and_reduce(weight_and_reduce_impl, TopKWeightAndReduceContiguous())

@@ -29,7 +29,7 @@ from moe_modular.interfaces import (
     ExpertTokensMetadata,
     PrepareResult,
 )
-from moe_modular.prepare_finalize.common import apply_weight_on_input
+from moe_modular.prepare_finalize.common import apply_weight_on_input, check_micro_batch, finalize_handle
 from moe_modular.prepare_finalize.deepep_common import (
     deepep_supports,
     linear_expert_table,
@@ -50,7 +50,7 @@ LL_DTYPE = torch.bfloat16
 
 @dataclass(frozen=True)
 class _Dispatched:
-    """What finalize needs from the prepare of the same forward."""
+    """What finalize needs from the prepare of the same forward (PrepareResult.handle)."""
 
     T: int
     handle: Any  # DeepEP's low-latency handle
@@ -82,7 +82,6 @@ class DeepEPLLPrepareAndFinalize(EPPrepareAndFinalize):
         self.handle = manager.get_handle(
             DeepEPLLBufferConfig(self.dispatch_tokens, self.kernel_hidden, moe.num_experts))
         self.linear_E = linear_expert_table(ExpertPlacementTables.build(moe, manager.device))
-        self._state: Optional[_Dispatched] = None
 
     # ---- capabilities -----------------------------------------------------------------------
     @classmethod
@@ -137,19 +136,24 @@ class DeepEPLLPrepareAndFinalize(EPPrepareAndFinalize):
 
     # ---- prepare ------------------------------------------------------------------------------
     def prepare(self, a1, topk_weights, topk_ids, num_experts, expert_map, apply_router_weight_on_input,
-                quant: MoEQuantParams) -> PrepareResult:
+                quant: MoEQuantParams, micro_batch: int = 0) -> PrepareResult:
         """a1 (T, K) bf16, T <= moe.max_num_tokens; topk_ids (T, k) int64 global ids; the placement
         comes from moe.parallel (expert_map is not consulted). Returns a1q (El, B, K) fp8 or bf16,
         a1q_scale (El, B, G) / (El, B, 1) / (1,) / None and expert_num_tokens (El,) int32."""
-        return self._start(a1, topk_ids, topk_weights, num_experts, apply_router_weight_on_input, quant, False)()
+        return self._start(a1, topk_ids, topk_weights, num_experts, apply_router_weight_on_input, quant, False,
+                           micro_batch)()
 
     def prepare_no_receive(self, a1, topk_weights, topk_ids, num_experts, expert_map, apply_router_weight_on_input,
-                           quant: MoEQuantParams) -> Callable[[], PrepareResult]:
+                           quant: MoEQuantParams, micro_batch: int = 0) -> Callable[[], PrepareResult]:
         """Issue the sends; the returned receiver runs DeepEP's receive hook and builds the result."""
-        return self._start(a1, topk_ids, topk_weights, num_experts, apply_router_weight_on_input, quant, True)
+        return self._start(a1, topk_ids, topk_weights, num_experts, apply_router_weight_on_input, quant, True,
+                           micro_batch)
 
     def _start(self, a1, topk_ids, topk_weights, num_experts, apply_on_input, quant: MoEQuantParams,
-               use_hook: bool) -> Callable[[], PrepareResult]:
+               use_hook: bool, micro_batch: int) -> Callable[[], PrepareResult]:
+        # DeepEP alternates between two low-latency buffers on every call, so two micro-batches in flight
+        # need no buffers of their own.
+        check_micro_batch(self, micro_batch)
         moe = self.moe
         if num_experts != moe.num_experts:
             raise ValueError(f"num_experts ({num_experts}) must equal moe.num_experts ({moe.num_experts})")
@@ -166,7 +170,7 @@ class DeepEPLLPrepareAndFinalize(EPPrepareAndFinalize):
         if self.manager.dispatch_accepts("use_fp8"):
             kwargs["use_fp8"] = self.fp8_dispatch
         with phase("dispatch"):
-            recv_x, recv_count_El, handle, _, hook = self.handle.deep_ep_buffer.low_latency_dispatch(
+            recv_x, recv_count_El, deep_ep_handle, _, hook = self.handle.deep_ep_buffer.low_latency_dispatch(
                 x_TKl, ids_Tk, self.dispatch_tokens, num_experts, async_finish=False, return_recv_hook=use_hook,
                 **kwargs)
 
@@ -180,9 +184,9 @@ class DeepEPLLPrepareAndFinalize(EPPrepareAndFinalize):
                 a1q_scale = scale_ElBGl[..., :G].contiguous()
             else:
                 a1q, a1q_scale = self._quantize_received(recv_x[..., :K], recv_count_El, quant)
-            self._state = _Dispatched(T, handle, ids_Tk)
             meta = ExpertTokensMetadata(expert_num_tokens=recv_count_El.to(torch.int32))
-            return PrepareResult(a1q=a1q, a1q_scale=a1q_scale, expert_tokens_meta=meta)
+            return PrepareResult(a1q=a1q, a1q_scale=a1q_scale, expert_tokens_meta=meta,
+                                 handle=_Dispatched(T, deep_ep_handle, ids_Tk))
 
         return receive
 
@@ -201,18 +205,15 @@ class DeepEPLLPrepareAndFinalize(EPPrepareAndFinalize):
 
     # ---- finalize -----------------------------------------------------------------------------
     def finalize(self, output, fused_expert_output, topk_weights, topk_ids, apply_router_weight_on_input,
-                 weight_and_reduce_impl) -> None:
+                 weight_and_reduce_impl, handle) -> None:
         """output (T, K) bf16; fused_expert_output (El, B, K) unweighted slot outputs; topk_weights (T, k)
         float32 as given to prepare (ones are sent instead when they were applied on the input)."""
-        st = self._state
-        if st is None or st.T != output.size(0):
-            raise RuntimeError(f"{type(self).__name__}.finalize must follow its prepare for the same tokens")
+        st = finalize_handle(self, handle, _Dispatched, output.size(0))
         if not isinstance(weight_and_reduce_impl, _PF_REDUCES):
             allowed = [c.__name__ for c in _PF_REDUCES]
             raise ValueError(
                 f"{type(self).__name__} weights and reduces inside DeepEP's combine; the experts' finalize impl "
                 f"({type(weight_and_reduce_impl).__name__}) must be one of {allowed}")
-        self._state = None
         moe = self.moe
         El, B = moe.num_local_experts, self.dispatch_tokens * self.world_size
         K = moe.hidden_dim

@@ -18,7 +18,7 @@ from moe_modular.interfaces import (
     ExpertTokensMetadata,
     PrepareResult,
 )
-from moe_modular.prepare_finalize.common import apply_weight_on_input
+from moe_modular.prepare_finalize.common import apply_weight_on_input, buffer_tag, check_micro_batch, finalize_handle
 from moe_modular.prepare_finalize.ep_common import (
     ExpertPlacementTables,
     activation_wire_dtype,
@@ -34,9 +34,10 @@ from moe_modular.weight_and_reduce import TopKWeightAndReduceNaiveBatched, resol
 
 @dataclass(frozen=True)
 class _Slots:
-    """What finalize needs from the prepare of the same forward."""
+    """What finalize needs from the prepare of the same forward (PrepareResult.handle)."""
 
     T: int
+    micro_batch: int
     route_slot_Tk: torch.Tensor  # (T, k) int64 slot of each route in the (W, El, Tm) send layout (dump slot if none)
     route_valid_Tk: torch.Tensor  # (T, k) bool: the route has an expert
     compact_index: torch.Tensor  # (W*El*Tm,) int64: received slot (s, e, j) -> row in the (El, B) layout
@@ -71,7 +72,6 @@ class LowLatencyAll2AllPrepareAndFinalize(EPPrepareAndFinalize):
             All2AllHandleConfig(self.Tm, self.row_format.row_bytes, moe.num_experts, moe.topk))
         self.slots_layout = manager.static_layout(self.El * self.Tm)
         self.counts_layout = manager.static_layout(1)
-        self._state: Optional[_Slots] = None
 
     # ---- capabilities -----------------------------------------------------------------------
     @classmethod
@@ -99,14 +99,16 @@ class LowLatencyAll2AllPrepareAndFinalize(EPPrepareAndFinalize):
 
     # ---- prepare ------------------------------------------------------------------------------
     def prepare(self, a1, topk_weights, topk_ids, num_experts, expert_map, apply_router_weight_on_input,
-                quant: MoEQuantParams) -> PrepareResult:
+                quant: MoEQuantParams, micro_batch: int = 0) -> PrepareResult:
         """a1 (T, K), T <= Tm; topk_weights (T, k) float32; topk_ids (T, k) global ids (-1: no route).
         Returns a1q (El, B, K), a1q_scale (1,) / (El, B, 1) / (El, B, G) / None, expert_tokens_meta."""
-        return self._start(a1, topk_weights, topk_ids, num_experts, apply_router_weight_on_input, quant, False)()
+        return self._start(a1, topk_weights, topk_ids, num_experts, apply_router_weight_on_input, quant, False,
+                           micro_batch)()
 
     def prepare_no_receive(self, a1, topk_weights, topk_ids, num_experts, expert_map, apply_router_weight_on_input,
-                           quant: MoEQuantParams) -> Callable[[], PrepareResult]:
-        return self._start(a1, topk_weights, topk_ids, num_experts, apply_router_weight_on_input, quant, True)
+                           quant: MoEQuantParams, micro_batch: int = 0) -> Callable[[], PrepareResult]:
+        return self._start(a1, topk_weights, topk_ids, num_experts, apply_router_weight_on_input, quant, True,
+                           micro_batch)
 
     def _route_slots(self, topk_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(T, k) global ids -> (slot (T, k) int64 in [0, W*El*Tm] (the last is the dump slot),
@@ -130,8 +132,9 @@ class LowLatencyAll2AllPrepareAndFinalize(EPPrepareAndFinalize):
         return slot.view_as(topk_ids), valid.view_as(topk_ids), counts_WEl.view(self.world_size, El)
 
     def _start(self, a1, topk_weights, topk_ids, num_experts, apply_on_input, quant: MoEQuantParams,
-               async_op: bool) -> Callable[[], PrepareResult]:
+               async_op: bool, micro_batch: int) -> Callable[[], PrepareResult]:
         moe, W, El, Tm, K = self.moe, self.world_size, self.El, self.Tm, self.moe.hidden_dim
+        mb = check_micro_batch(self, micro_batch)
         if num_experts != moe.num_experts:
             raise ValueError(f"num_experts ({num_experts}) must equal moe.num_experts ({moe.num_experts})")
         T, k = topk_ids.shape
@@ -143,15 +146,15 @@ class LowLatencyAll2AllPrepareAndFinalize(EPPrepareAndFinalize):
         slot_Tk, valid_Tk, counts_WEl = self._route_slots(topk_ids)
 
         X, nslots = self.row_format.row_bytes, W * El * Tm
-        send = self.handle.buffer("ll_send", (nslots + 1, X), torch.uint8)
+        send = self.handle.buffer(buffer_tag("ll_send", mb), (nslots + 1, X), torch.uint8)
         send.zero_()
         tok_of_route = torch.arange(T, device=a1.device).repeat_interleave(k)
         send.index_copy_(0, slot_Tk.reshape(-1), rows_TX.index_select(0, tok_of_route))
         with phase("dispatch"):
             counts_pending = self.manager.dispatch(self.handle, counts_WEl, self.counts_layout,
-                                                   async_op=async_op, tag="counts")
+                                                   async_op=async_op, tag=buffer_tag("counts", mb))
             slots_pending = self.manager.dispatch(self.handle, send[:nslots], self.slots_layout,
-                                                  async_op=async_op, tag="slots")
+                                                  async_op=async_op, tag=buffer_tag("slots", mb))
         per_tensor_scale = scale if (scale is not None and not self.n_scale) else None
 
         def receive() -> PrepareResult:
@@ -172,20 +175,17 @@ class LowLatencyAll2AllPrepareAndFinalize(EPPrepareAndFinalize):
             got = self.row_format.unpack(packed)
             a1q = got["x"].view(El, W * Tm, K)
             a1q_scale = got["scale"].view(El, W * Tm, self.n_scale) if self.n_scale else per_tensor_scale
-            self._state = _Slots(T, slot_Tk, valid_Tk, compact_index)
             meta = ExpertTokensMetadata(expert_num_tokens=total_El.to(torch.int32))
-            return PrepareResult(a1q=a1q, a1q_scale=a1q_scale, expert_tokens_meta=meta)
+            return PrepareResult(a1q=a1q, a1q_scale=a1q_scale, expert_tokens_meta=meta,
+                                 handle=_Slots(T, mb, slot_Tk, valid_Tk, compact_index))
 
         return receive
 
     # ---- finalize -----------------------------------------------------------------------------
     def finalize(self, output, fused_expert_output, topk_weights, topk_ids, apply_router_weight_on_input,
-                 weight_and_reduce_impl) -> None:
+                 weight_and_reduce_impl, handle) -> None:
         """output (T, K); fused_expert_output (El, B, K) unweighted rows in the slots prepare laid out."""
-        st = self._state
-        if st is None or st.T != output.size(0):
-            raise RuntimeError(f"{type(self).__name__}.finalize must follow its prepare for the same tokens")
-        self._state = None
+        st = finalize_handle(self, handle, _Slots, output.size(0))
         impl = resolve_weight_and_reduce(weight_and_reduce_impl, TopKWeightAndReduceNaiveBatched())
         if not isinstance(impl, TopKWeightAndReduceNaiveBatched):
             raise ValueError(
@@ -198,7 +198,8 @@ class LowLatencyAll2AllPrepareAndFinalize(EPPrepareAndFinalize):
         dtype = fused_expert_output.dtype
         back_rows = fused_expert_output.reshape(El * W * Tm, K).index_select(0, st.compact_index)
         with phase("combine"):
-            got = self.manager.combine(self.handle, back_rows.view(torch.uint8), self.slots_layout, tag="slots").wait()
+            got = self.manager.combine(self.handle, back_rows.view(torch.uint8), self.slots_layout,
+                                       tag=buffer_tag("slots", st.micro_batch)).wait()
         got_K = got.view(dtype).reshape(W * El * Tm, K)
         T, k = st.route_slot_Tk.shape
         slot = torch.where(st.route_valid_Tk, st.route_slot_Tk, torch.zeros_like(st.route_slot_Tk))

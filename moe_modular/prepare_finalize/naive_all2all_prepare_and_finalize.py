@@ -18,7 +18,7 @@ from moe_modular.interfaces import (
     ExpertTokensMetadata,
     PrepareResult,
 )
-from moe_modular.prepare_finalize.common import apply_weight_on_input
+from moe_modular.prepare_finalize.common import apply_weight_on_input, buffer_tag, check_micro_batch, finalize_handle
 from moe_modular.prepare_finalize.ep_common import (
     ExpertPlacementTables,
     local_expert_counts,
@@ -38,9 +38,10 @@ from moe_modular.weight_and_reduce import (
 
 @dataclass(frozen=True)
 class _Gathered:
-    """What finalize needs from the prepare of the same forward."""
+    """What finalize needs from the prepare of the same forward (PrepareResult.handle)."""
 
     T: int
+    micro_batch: int
     layout: RowLayout
     local_Ak: torch.Tensor  # (Tall, k) int64 local ids, -1 when held elsewhere
     weights_Ak: torch.Tensor  # (Tall, k) float32
@@ -71,7 +72,6 @@ class NaiveAll2AllPrepareAndFinalize(EPPrepareAndFinalize):
         self.row_format = token_row_format(moe.hidden_dim, x_dtype, self.n_scale, moe.topk, True)
         self.handle = manager.get_handle(
             All2AllHandleConfig(moe.max_num_tokens, self.row_format.row_bytes, moe.num_experts, moe.topk))
-        self._state: Optional[_Gathered] = None
 
     # ---- capabilities -----------------------------------------------------------------------
     @classmethod
@@ -100,19 +100,22 @@ class NaiveAll2AllPrepareAndFinalize(EPPrepareAndFinalize):
 
     # ---- prepare ------------------------------------------------------------------------------
     def prepare(self, a1, topk_weights, topk_ids, num_experts, expert_map, apply_router_weight_on_input,
-                quant: MoEQuantParams) -> PrepareResult:
+                quant: MoEQuantParams, micro_batch: int = 0) -> PrepareResult:
         """a1 (T, K); topk_weights (T, k) float32; topk_ids (T, k) global ids (-1: no route).
         Returns all ranks' tokens: a1q (Tall, K), a1q_scale (1,) / (Tall, 1) / (Tall, G) / None,
         topk_ids (Tall, k) local ids or -1, topk_weights (Tall, k), expert_tokens_meta."""
-        return self._start(a1, topk_weights, topk_ids, num_experts, apply_router_weight_on_input, quant, False)()
+        return self._start(a1, topk_weights, topk_ids, num_experts, apply_router_weight_on_input, quant, False,
+                           micro_batch)()
 
     def prepare_no_receive(self, a1, topk_weights, topk_ids, num_experts, expert_map, apply_router_weight_on_input,
-                           quant: MoEQuantParams) -> Callable[[], PrepareResult]:
-        return self._start(a1, topk_weights, topk_ids, num_experts, apply_router_weight_on_input, quant, True)
+                           quant: MoEQuantParams, micro_batch: int = 0) -> Callable[[], PrepareResult]:
+        return self._start(a1, topk_weights, topk_ids, num_experts, apply_router_weight_on_input, quant, True,
+                           micro_batch)
 
     def _start(self, a1, topk_weights, topk_ids, num_experts, apply_on_input, quant: MoEQuantParams,
-               async_op: bool) -> Callable[[], PrepareResult]:
+               async_op: bool, micro_batch: int) -> Callable[[], PrepareResult]:
         moe = self.moe
+        mb = check_micro_batch(self, micro_batch)
         if num_experts != moe.num_experts:
             raise ValueError(f"num_experts ({num_experts}) must equal moe.num_experts ({moe.num_experts})")
         T = a1.size(0)
@@ -125,7 +128,7 @@ class NaiveAll2AllPrepareAndFinalize(EPPrepareAndFinalize):
         fields = [xq] + ([scale] if self.n_scale else []) + [topk_ids.to(torch.int32), topk_weights.float()]
         with phase("dispatch"):
             pending = self.manager.dispatch(self.handle, self.row_format.pack(fields), layout,
-                                            async_op=async_op, tag="tokens")
+                                            async_op=async_op, tag=buffer_tag("tokens", mb))
         per_tensor_scale = scale if (scale is not None and not self.n_scale) else None
 
         def receive() -> PrepareResult:
@@ -134,22 +137,18 @@ class NaiveAll2AllPrepareAndFinalize(EPPrepareAndFinalize):
             if not self.before:
                 x, s = quantize_activations(x, quant.config, quant.a1_scale)
             local_Ak = self.tables.local_on(got["ids"], self.rank)
-            self._state = _Gathered(T, layout, local_Ak, got["weights"])
             meta = ExpertTokensMetadata(expert_num_tokens=local_expert_counts(local_Ak, moe.num_local_experts))
             return PrepareResult(a1q=x, a1q_scale=s, expert_tokens_meta=meta, topk_ids=local_Ak,
-                                 topk_weights=got["weights"])
+                                 topk_weights=got["weights"], handle=_Gathered(T, mb, layout, local_Ak, got["weights"]))
 
         return receive
 
     # ---- finalize -----------------------------------------------------------------------------
     def finalize(self, output, fused_expert_output, topk_weights, topk_ids, apply_router_weight_on_input,
-                 weight_and_reduce_impl) -> None:
+                 weight_and_reduce_impl, handle) -> None:
         """output (T, K); fused_expert_output (Tall, k, K) / (Tall*k, K) route rows, or (Tall, K)
         already reduced by the experts (NoOp)."""
-        st = self._state
-        if st is None or st.T != output.size(0):
-            raise RuntimeError(f"{type(self).__name__}.finalize must follow its prepare for the same tokens")
-        self._state = None
+        st = finalize_handle(self, handle, _Gathered, output.size(0))
         impl = resolve_weight_and_reduce(weight_and_reduce_impl, TopKWeightAndReduceContiguous())
         A, K = st.local_Ak.size(0), self.moe.hidden_dim
         partial_AK = torch.empty((A, K), dtype=torch.float32, device=fused_expert_output.device)
@@ -161,5 +160,6 @@ class NaiveAll2AllPrepareAndFinalize(EPPrepareAndFinalize):
             impl.apply(partial_AK, fused_expert_output, masked_weights(st.weights_Ak, st.local_Ak), st.local_Ak,
                        apply_router_weight_on_input)
         with phase("combine"):
-            mine_TK = self.manager.combine(self.handle, partial_AK, st.layout, tag="partials").wait()
+            mine_TK = self.manager.combine(self.handle, partial_AK, st.layout,
+                                           tag=buffer_tag("partials", st.micro_batch)).wait()
         output.copy_(mine_TK.to(output.dtype))

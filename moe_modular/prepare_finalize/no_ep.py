@@ -15,7 +15,7 @@ from moe_modular.interfaces import (
     PrepareResult,
     check_supported,
 )
-from moe_modular.prepare_finalize.common import apply_weight_on_input
+from moe_modular.prepare_finalize.common import apply_weight_on_input, check_micro_batch
 from moe_modular.quant import MoEQuantParams, quantize_activations
 from moe_modular.weight_and_reduce import (
     TopKWeightAndReduceContiguous,
@@ -39,14 +39,15 @@ class MoEPrepareAndFinalizeNoEP(FusedMoEPrepareAndFinalizeModular):
         return cls()
 
     def prepare(self, a1, topk_weights, topk_ids, num_experts, expert_map, apply_router_weight_on_input,
-                quant: MoEQuantParams) -> PrepareResult:
-        """a1 (T, K) -> a1q (T, K) fp8 or activation dtype, with its scale."""
+                quant: MoEQuantParams, micro_batch: int = 0) -> PrepareResult:
+        """a1 (T, K) -> a1q (T, K) fp8 or activation dtype, with its scale (no handle: finalize needs none)."""
+        check_micro_batch(self, micro_batch)
         a1 = apply_weight_on_input(a1, topk_weights, apply_router_weight_on_input)
         a1q, scale = quantize_activations(a1, quant.config, quant.a1_scale)
         return PrepareResult(a1q=a1q, a1q_scale=scale)
 
     def finalize(self, output, fused_expert_output, topk_weights, topk_ids, apply_router_weight_on_input,
-                 weight_and_reduce_impl) -> None:
+                 weight_and_reduce_impl, handle) -> None:
         impl = resolve_weight_and_reduce(weight_and_reduce_impl, TopKWeightAndReduceContiguous())
         impl.apply(output, fused_expert_output, topk_weights, topk_ids, apply_router_weight_on_input)
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -16,16 +16,20 @@ from all2all.base import all_gather_single
 from moe_modular.config import MoEConfig
 from moe_modular.interfaces import ActivationFormat, FusedMoEPrepareAndFinalizeModular, PrepareResult
 from moe_modular.prepare_finalize.all_to_all_prepare_and_finalize import AllToAllPrepareAndFinalize
+from moe_modular.prepare_finalize.common import finalize_handle
 from moe_modular.prepare_finalize.ep_common import check_context
 from moe_modular.quant import MoEQuantParams, QuantConfig
 
 
 @dataclass(frozen=True)
 class _Slice:
-    M: int
+    """What finalize needs from the prepare of the same forward (PrepareResult.handle)."""
+
+    T: int  # M, the shared batch
     S: int
     weights_Sk: torch.Tensor  # (S, k) float32, 0 on padding rows
     ids_Sk: torch.Tensor  # (S, k) global ids, -1 on padding rows
+    inner: Any  # the inner PF's handle
 
 
 class SliceAllGatherPrepareAndFinalize(FusedMoEPrepareAndFinalizeModular):
@@ -50,7 +54,6 @@ class SliceAllGatherPrepareAndFinalize(FusedMoEPrepareAndFinalizeModular):
         self.group = context.group
         self.rank, self.world_size = context.rank, context.world_size
         self.inner = inner
-        self._state: Optional[_Slice] = None
 
     # ---- capabilities -----------------------------------------------------------------------
     @classmethod
@@ -115,33 +118,37 @@ class SliceAllGatherPrepareAndFinalize(FusedMoEPrepareAndFinalizeModular):
         w_S[:n] = topk_weights[start:start + n]
         ids_S = torch.full((S, k), -1, dtype=topk_ids.dtype, device=a1.device)
         ids_S[:n] = topk_ids[start:start + n]
-        self._state = _Slice(M, S, w_S, ids_S)
         return a1_S, w_S, ids_S
 
+    @staticmethod
+    def _with_slice(prepared: PrepareResult, M: int, w_S: torch.Tensor, ids_S: torch.Tensor) -> PrepareResult:
+        """The inner PF's result, its handle wrapped with what finalize needs of the slice."""
+        return replace(prepared, handle=_Slice(M, w_S.size(0), w_S, ids_S, prepared.handle))
+
     def prepare(self, a1, topk_weights, topk_ids, num_experts, expert_map, apply_router_weight_on_input,
-                quant: MoEQuantParams) -> PrepareResult:
+                quant: MoEQuantParams, micro_batch: int = 0) -> PrepareResult:
         """a1 (M, K), topk_weights (M, k), topk_ids (M, k) global ids, identical on every rank.
         Returns the inner PF's result for this rank's (S, K) slice."""
         a1_S, w_S, ids_S = self._slice(a1, topk_weights, topk_ids)
-        return self.inner.prepare(a1_S, w_S, ids_S, num_experts, expert_map, apply_router_weight_on_input, quant)
+        prepared = self.inner.prepare(a1_S, w_S, ids_S, num_experts, expert_map, apply_router_weight_on_input,
+                                      quant, micro_batch)
+        return self._with_slice(prepared, a1.size(0), w_S, ids_S)
 
     def prepare_no_receive(self, a1, topk_weights, topk_ids, num_experts, expert_map, apply_router_weight_on_input,
-                           quant: MoEQuantParams) -> Callable[[], PrepareResult]:
+                           quant: MoEQuantParams, micro_batch: int = 0) -> Callable[[], PrepareResult]:
         a1_S, w_S, ids_S = self._slice(a1, topk_weights, topk_ids)
-        return self.inner.prepare_no_receive(a1_S, w_S, ids_S, num_experts, expert_map,
-                                             apply_router_weight_on_input, quant)
+        receive = self.inner.prepare_no_receive(a1_S, w_S, ids_S, num_experts, expert_map,
+                                                apply_router_weight_on_input, quant, micro_batch)
+        return lambda: self._with_slice(receive(), a1.size(0), w_S, ids_S)
 
     def finalize(self, output, fused_expert_output, topk_weights, topk_ids, apply_router_weight_on_input,
-                 weight_and_reduce_impl) -> None:
+                 weight_and_reduce_impl, handle) -> None:
         """output (M, K): the full result, written identically on every rank."""
-        st = self._state
-        if st is None or st.M != output.size(0):
-            raise RuntimeError(f"{type(self).__name__}.finalize must follow its prepare for the same tokens")
-        self._state = None
+        st = finalize_handle(self, handle, _Slice, output.size(0))
         K = output.size(1)
         slice_SK = torch.empty((st.S, K), dtype=output.dtype, device=output.device)
         self.inner.finalize(slice_SK, fused_expert_output, st.weights_Sk, st.ids_Sk, apply_router_weight_on_input,
-                            weight_and_reduce_impl)
+                            weight_and_reduce_impl, st.inner)
         gathered = torch.empty((self.world_size * st.S, K), dtype=output.dtype, device=output.device)
         all_gather_single(gathered.view(torch.uint8), slice_SK.view(torch.uint8), self.group)
-        output.copy_(gathered[:st.M])
+        output.copy_(gathered[:st.T])

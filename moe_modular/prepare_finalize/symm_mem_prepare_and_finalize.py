@@ -25,7 +25,7 @@ from moe_modular.interfaces import (
     ExpertTokensMetadata,
     PrepareResult,
 )
-from moe_modular.prepare_finalize.common import apply_weight_on_input
+from moe_modular.prepare_finalize.common import apply_weight_on_input, check_micro_batch, finalize_handle
 from moe_modular.prepare_finalize.deepep_common import linear_expert_table
 from moe_modular.prepare_finalize.ep_common import (
     ExpertPlacementTables,
@@ -45,7 +45,7 @@ from moe_modular.weight_and_reduce import (
 
 @dataclass(frozen=True)
 class _Dispatched:
-    """What finalize needs from the prepare of the same forward."""
+    """What finalize needs from the prepare of the same forward (PrepareResult.handle)."""
 
     T: int
     k: int
@@ -101,7 +101,6 @@ class SymmMemPrepareAndFinalize(EPPrepareAndFinalize):
             max_num_tokens=moe.max_num_tokens, topk=moe.topk, num_local_experts=moe.num_local_experts,
             dispatch_row_bytes=self.row_format.row_bytes,
             combine_row_bytes=moe.hidden_dim * moe.dtype.itemsize))
-        self._state: Optional[_Dispatched] = None
 
     # ---- capabilities -----------------------------------------------------------------------
     @classmethod
@@ -132,12 +131,14 @@ class SymmMemPrepareAndFinalize(EPPrepareAndFinalize):
 
     # ---- prepare ------------------------------------------------------------------------------
     def prepare(self, a1, topk_weights, topk_ids, num_experts, expert_map, apply_router_weight_on_input,
-                quant: MoEQuantParams) -> PrepareResult:
+                quant: MoEQuantParams, micro_batch: int = 0) -> PrepareResult:
         """a1 (T, K), T <= moe.max_num_tokens; topk_weights (T, k) float32; topk_ids (T, k) global ids
         (-1: no route); the placement comes from moe.parallel (expert_map is not consulted).
         Returns a1q (R, K), a1q_scale (R, G) / (R, 1) / (1,) / None, topk_ids (R, 1) int64 local
         experts, topk_weights (R, 1) float32, per-local-expert route counts. One host sync (the
-        received layout)."""
+        received layout). The exchange completes inside this call (the received rows are copied out of the
+        symmetric buffer), so micro-batches share the buffers."""
+        check_micro_batch(self, micro_batch)
         moe, W, El = self.moe, self.world_size, self.moe.num_local_experts
         if num_experts != moe.num_experts:
             raise ValueError(f"num_experts ({num_experts}) must equal moe.num_experts ({moe.num_experts})")
@@ -169,22 +170,19 @@ class SymmMemPrepareAndFinalize(EPPrepareAndFinalize):
         got = self.row_format.unpack(recv_CB.index_select(0, pos_R))
         local_R1 = (cell_R // W).to(recv_CB.device).unsqueeze(1)
         weights_R1 = got["weight"]
-        self._state = _Dispatched(T, k, route_S, pos_R, local_R1, weights_R1)
         counts_cpu = so_2EW[0].reshape(El, W).sum(dim=1).to(torch.int32)
         meta = ExpertTokensMetadata(expert_num_tokens=counts_cpu.to(recv_CB.device), expert_num_tokens_cpu=counts_cpu)
         a1q_scale = got["scale"] if self.n_scale else scale
         return PrepareResult(a1q=got["x"], a1q_scale=a1q_scale, expert_tokens_meta=meta,
-                             topk_ids=local_R1, topk_weights=weights_R1)
+                             topk_ids=local_R1, topk_weights=weights_R1,
+                             handle=_Dispatched(T, k, route_S, pos_R, local_R1, weights_R1))
 
     # ---- finalize -----------------------------------------------------------------------------
     def finalize(self, output, fused_expert_output, topk_weights, topk_ids, apply_router_weight_on_input,
-                 weight_and_reduce_impl) -> None:
+                 weight_and_reduce_impl, handle) -> None:
         """output (T, K); fused_expert_output (R, 1, K) / (R, K) route rows (or (R, K) reduced by the
         experts, impl NoOp); topk_weights / topk_ids (T, k) as given to prepare."""
-        st = self._state
-        if st is None or st.T != output.size(0):
-            raise RuntimeError(f"{type(self).__name__}.finalize must follow its prepare for the same tokens")
-        self._state = None
+        st = finalize_handle(self, handle, _Dispatched, output.size(0))
         K = self.moe.hidden_dim
         R = st.recv_pos_R.numel()
         impl = resolve_weight_and_reduce(weight_and_reduce_impl, TopKWeightAndReduceContiguous())
