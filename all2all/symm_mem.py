@@ -10,7 +10,9 @@ order), so the manager keeps a SymmMemBufferCache: one buffer per (process group
 name, row shape, dtype), shared by every layer, grown to the capacity the largest layer needs
 (rounded up to CAPACITY_ALIGN_ROWS rows; growing drops the old buffer before allocating the new
 one) and released by destroy_symm_mem_buffers(). Buffers are reserved when a PrepareAndFinalize is
-built, so growth happens at construction, in the same order on every rank.
+built, so growth happens at construction, in the same order on every rank. The dispatch's output
+splits and offsets, which the combine reads back, are kept per layout slot (LAYOUT_SLOTS of them): two
+micro-batches in flight dispatch and combine through different slots.
 
 The ops need at least 2 ranks (a single rank is refused, not emulated), at most
 MAX_WORLD_SIZE ranks and at most MAX_LOCAL_EXPERTS experts per rank (torch's kernels scan splits
@@ -258,6 +260,13 @@ class SymmMemTokenHandle:
 
 _SEND, _RECV, _IN_SPLITS, _OUT_SO = "dispatch_send", "dispatch_recv", "dispatch_in_splits", "dispatch_out_splits_offsets"
 _CIN, _COUT, _COUT_SO = "combine_in", "combine_out", "combine_out_splits_offsets"
+LAYOUT_SLOTS = 2  # dispatch layouts kept at once, for as many exchanges between dispatch and combine
+
+
+def _layout_name(slot: int) -> str:
+    if isinstance(slot, bool) or not isinstance(slot, int) or not 0 <= slot < LAYOUT_SLOTS:
+        raise ValueError(f"slot ({slot!r}) must be an int in [0, {LAYOUT_SLOTS})")
+    return f"{_OUT_SO}.{slot}"
 
 
 class SymmMemManager(NcclAllToAllManager):
@@ -297,7 +306,8 @@ class SymmMemManager(NcclAllToAllManager):
         self.buffers.reserve(_CIN, (Bc,), u8, config.recv_rows(W))
         self.buffers.reserve(_COUT, (Bc,), u8, config.send_rows())
         self.buffers.reserve_fixed(_IN_SPLITS, (W * El,), i64)
-        self.buffers.reserve_fixed(_OUT_SO, (2, W * El), i64)
+        for slot in range(LAYOUT_SLOTS):
+            self.buffers.reserve_fixed(_layout_name(slot), (2, W * El), i64)
         self.buffers.reserve_fixed(_COUT_SO, (2, W * El), i64)
         handle = SymmMemTokenHandle(config, cs, cr)
         self._token_handles[config] = handle
@@ -305,10 +315,11 @@ class SymmMemManager(NcclAllToAllManager):
 
     # ---- the exchange ---------------------------------------------------------------------------
     def dispatch_2d(self, handle: SymmMemTokenHandle, rows_SB: torch.Tensor,
-                    splits_WEl: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                    splits_WEl: torch.Tensor, slot: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
         """rows_SB (S, B) uint8 sorted by (destination rank, its local expert); splits_WEl (W*El,) int64
-        the rows per (rank, local expert). Returns (recv (Cr, B) uint8, splits_offsets (2, W*El) int64):
-        row 0 the rows received per (local expert, source rank), row 1 where they start in recv."""
+        the rows per (rank, local expert); slot: where the layout is kept for the combine_2d of this exchange.
+        Returns (recv (Cr, B) uint8, valid until the next dispatch; splits_offsets (2, W*El) int64): row 0 the
+        rows received per (local expert, source rank), row 1 where they start in recv."""
         self._check_alive()
         cfg, W = handle.config, self.world_size
         El, B = cfg.num_local_experts, cfg.dispatch_row_bytes
@@ -320,7 +331,7 @@ class SymmMemManager(NcclAllToAllManager):
         send = self.buffers.get(_SEND, (B,), torch.uint8, S)
         recv = self.buffers.get(_RECV, (B,), torch.uint8, handle.recv_capacity)
         in_splits = self.buffers.get_fixed(_IN_SPLITS, (W * El,), torch.int64)
-        out_so = self.buffers.get_fixed(_OUT_SO, (2, W * El), torch.int64)
+        out_so = self.buffers.get_fixed(_layout_name(slot), (2, W * El), torch.int64)
         send[:S].copy_(rows_SB)
         in_splits.copy_(splits_WEl.reshape(-1))
         self.symm_backend.all_to_all_2d(send, recv, in_splits, out_so, self.group_name, cfg.major_align)
@@ -331,15 +342,15 @@ class SymmMemManager(NcclAllToAllManager):
         cfg = handle.config
         return self.buffers.get(_CIN, (cfg.combine_row_bytes,), torch.uint8, handle.recv_capacity)
 
-    def combine_2d(self, handle: SymmMemTokenHandle, num_send: int) -> torch.Tensor:
-        """Send combine_input's rows back along the latest dispatch's layout (its splits and offsets,
-        which must still be in place). Returns (num_send, Bc) uint8 in the dispatch's send order."""
+    def combine_2d(self, handle: SymmMemTokenHandle, num_send: int, slot: int = 0) -> torch.Tensor:
+        """Send combine_input's rows back along the layout of the latest dispatch through `slot`. Returns
+        (num_send, Bc) uint8 in the dispatch's send order, valid until the next combine."""
         self._check_alive()
         cfg, W = handle.config, self.world_size
         El, Bc = cfg.num_local_experts, cfg.combine_row_bytes
         cin = self.combine_input(handle)
         cout = self.buffers.get(_COUT, (Bc,), torch.uint8, num_send)
-        in_so = self.buffers.get_fixed(_OUT_SO, (2, W * El), torch.int64)
+        in_so = self.buffers.get_fixed(_layout_name(slot), (2, W * El), torch.int64)
         out_so = self.buffers.get_fixed(_COUT_SO, (2, W * El), torch.int64)
         self.symm_backend.all_to_all_2d_offset(cin, cout, in_so, out_so, self.group_name)
         return cout[:num_send]

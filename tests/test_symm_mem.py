@@ -251,10 +251,12 @@ def _pf_worker(pgi, cases) -> None:
         err, tol = relative_error(out, ref), tolerance(dtype, quant_cfg)
         if not err <= tol:
             failures.append(f"case {i} {quant_cfg.name} {dtype} K={K} E={E} topk={topk} M={M}: {err:.3g} > {tol:.3g}")
-    # Layers share the buffers: one set of six named buffers per row shape, grown to the largest layer.
+    # Layers share the buffers: one set of named buffers per row shape, grown to the largest layer, and one
+    # dispatch layout per slot.
     names = {key[1] for key in manager.buffers._buffers}
-    assert names == {"dispatch_send", "dispatch_recv", "dispatch_in_splits", "dispatch_out_splits_offsets",
-                     "combine_in", "combine_out", "combine_out_splits_offsets"}, names
+    layouts = {f"dispatch_out_splits_offsets.{slot}" for slot in range(sm.LAYOUT_SLOTS)}
+    assert names == {"dispatch_send", "dispatch_recv", "dispatch_in_splits", "combine_in", "combine_out",
+                     "combine_out_splits_offsets"} | layouts, names
     for key, buf in manager.buffers._buffers.items():
         if key[1] in ("dispatch_send", "dispatch_recv", "combine_in", "combine_out"):
             assert buf.size(0) % sm.CAPACITY_ALIGN_ROWS == 0

@@ -2,9 +2,9 @@
 
 Each PF returns what its finalize needs as PrepareResult.handle and keeps nothing between prepare and
 finalize, and prepare's micro_batch picks the communication buffers; so two micro-batches can be between
-prepare and finalize at once, as dual-batch overlap runs them. For every expert-parallel PF that runs on
-gloo this checks, against the single-batch forward of the same kernel (and that one against the float32
-oracle):
+prepare and finalize at once, as dual-batch overlap runs them. For every expert-parallel PF (DeepEP's two
+and symmetric memory through their gloo stand-ins, tests/deepep_stand_in.py and test_symm_mem.py) this checks,
+against the single-batch forward of the same kernel (and that one against the float32 oracle):
   - FusedMoEModularKernel.forward_two_micro_batches;
   - prepare / receive / experts / finalize of the two halves driven by hand, interleaved in both orders:
     A's receive, experts and finalize before B's (the kernel's order), and B's receive and experts first,
@@ -19,33 +19,78 @@ from __future__ import annotations
 
 import math
 import zlib
-from typing import Callable
+from typing import Any, Callable
 
 import pytest
 import torch
 
+from all2all import symm_mem
+from all2all.deepep import DeepEPHighThroughputManager, DeepEPLowLatencyManager
 from moe_modular.config import Activation, MoEConfig, ParallelConfig
+from moe_modular.experts.naive_batched_experts import NaiveBatchedExperts
+from moe_modular.experts.torch_experts import TorchExperts
 from moe_modular.interfaces import MICRO_BATCHES, ActivationFormat, PrepareResult
 from moe_modular.modular_kernel import FusedMoEModularKernel
 from moe_modular.parallel_context import ParallelContext
+from moe_modular.prepare_finalize.deepep_ht_prepare_and_finalize import DeepEPHTPrepareAndFinalize
+from moe_modular.prepare_finalize.deepep_ll_prepare_and_finalize import DeepEPLLPrepareAndFinalize
+from moe_modular.prepare_finalize.symm_mem_prepare_and_finalize import SymmMemPrepareAndFinalize
 from moe_modular.quant import MoEQuantParams, QuantConfig
 from moe_modular.reference import moe_torch
 from moe_modular.routing import local_expert_ids, make_expert_map
 from moe_modular.workspace import WorkspaceCache
 from tests.modular_kernel_tools.common import tolerance
+from tests.deepep_stand_in import make_stand_in
 from tests.modular_kernel_tools.parallel_utils import parallel_launch
 from tests.test_ep_prepare_finalize import BLOCK, EXPERTS_BY_FORMAT, PF_TYPES, Case, make_problem, rel_error
+from tests.test_symm_mem import GlooSymmMemStandIn
 
 LAUNCH_TIMEOUT_S = 240.0
 SCHEMES = (QuantConfig(), BLOCK, QuantConfig.fp8_per_token())
 # Tokens per rank: odd counts, a rank with one token (its B half is empty) and one with none.
 TOKENS = {2: (7, 1), 4: (5, 0, 1, 6)}
+CPU = torch.device("cpu")
+
+
+class StandInManagers:
+    """One manager per stand-in backend for the whole launch (a DeepEP low-latency Buffer is one per process)."""
+
+    def __init__(self, group: Any) -> None:
+        self.group = group
+        self.made: dict[str, Any] = {}
+
+    def get(self, name: str) -> Any:
+        if name not in self.made:
+            self.made[name] = {
+                "deepep_ht": lambda: DeepEPHighThroughputManager(self.group, CPU, deep_ep_module=make_stand_in()),
+                "deepep_ll": lambda: DeepEPLowLatencyManager(self.group, CPU, deep_ep_module=make_stand_in()),
+                "symm_mem": lambda: symm_mem.SymmMemManager(self.group, CPU, backend=GlooSymmMemStandIn(self.group)),
+            }[name]()
+        return self.made[name]
+
+    def destroy(self) -> None:
+        for manager in self.made.values():
+            manager.destroy()
+
+
+# name -> (PF class, experts class, how it is built from (moe, context, stand-in managers))
+PFS: dict[str, tuple[type, type, Callable[..., Any]]] = {
+    **{name: (cls, EXPERTS_BY_FORMAT[cls.activation_format()], lambda moe, ctx, mgrs, cls=cls: cls.make(moe, ctx))
+       for name, cls in PF_TYPES.items()},
+    "deepep_ht": (DeepEPHTPrepareAndFinalize, TorchExperts,
+                  lambda moe, ctx, mgrs: DeepEPHTPrepareAndFinalize(moe, mgrs.get("deepep_ht"))),
+    "deepep_ll": (DeepEPLLPrepareAndFinalize, NaiveBatchedExperts,
+                  lambda moe, ctx, mgrs: DeepEPLLPrepareAndFinalize(moe, mgrs.get("deepep_ll"))),
+    "symm_mem": (SymmMemPrepareAndFinalize, TorchExperts,
+                 lambda moe, ctx, mgrs: SymmMemPrepareAndFinalize(moe, mgrs.get("symm_mem"))),
+}
 
 
 class Layer:
     """One rank's layer of `case`: the PF and experts, the kernel over them, and this rank's inputs."""
 
-    def __init__(self, case: Case, pgi, context: ParallelContext, seed: int) -> None:
+    def __init__(self, name: str, case: Case, pgi, context: ParallelContext, managers: StandInManagers,
+                 seed: int) -> None:
         W, rank = pgi.world_size, pgi.rank
         self.case, self.prob = case, make_problem(case, seed, W)
         if case.replicated:
@@ -57,13 +102,13 @@ class Layer:
                         dtype=case.dtype, quant=case.quant,
                         parallel=ParallelConfig(ep_size=W, ep_rank=rank, placement=case.placement),
                         max_num_tokens=max(max(case.Ms), 1))
-        cls = PF_TYPES[case.pf]
-        self.pf = cls.make(moe, context)
+        _, experts_cls, build = PFS[name]
+        self.pf = build(moe, context, managers)
         held = local_expert_ids(case.E, W, rank, case.placement)
         q = self.prob.quant
         quant = MoEQuantParams(q.config, None if q.w1_scale is None else q.w1_scale[held],
                                None if q.w2_scale is None else q.w2_scale[held], q.a1_scale, q.a2_scale)
-        self.fe = EXPERTS_BY_FORMAT[cls.activation_format()].for_prepare_finalize(moe, quant, self.pf)
+        self.fe = experts_cls.for_prepare_finalize(moe, quant, self.pf)
         self.kernel = FusedMoEModularKernel(self.pf, self.fe, workspaces=WorkspaceCache(poison=float("nan")),
                                             check_inputs=True)
         self.w1, self.w2 = self.prob.w1[held], self.prob.w2[held]
@@ -175,14 +220,15 @@ def handle_errors(layer: Layer) -> list[str]:
 
 def _worker(pgi, seed0: int) -> None:
     context = ParallelContext.from_group(pgi.group, pgi.device)
+    managers = StandInManagers(pgi.group)
     failures: list[str] = []
     try:
         i = 0
-        for pf in PF_TYPES:
+        for name in PFS:
             for quant in SCHEMES:
-                Ms = (7,) if pf == "slice" else TOKENS[pgi.world_size]
-                case = Case(pf, Ms, quant=quant, replicated=pf == "slice")
-                layer = Layer(case, pgi, context, seed0 + i)
+                Ms = (7,) if name == "slice" else TOKENS[pgi.world_size]
+                case = Case(name, Ms, quant=quant, replicated=name == "slice")
+                layer = Layer(name, case, pgi, context, managers, seed0 + i)
                 i += 1
                 tol = tolerance(case.dtype, case.quant)
                 single = layer.forward(two=False)
@@ -199,6 +245,7 @@ def _worker(pgi, seed0: int) -> None:
                 if quant == SCHEMES[0]:
                     failures += [f"{case.describe()}: {f}" for f in handle_errors(layer)]
     finally:
+        managers.destroy()
         context.destroy()
     if failures:
         raise AssertionError(f"rank {pgi.rank}: {len(failures)} checks failed:\n" + "\n".join(failures))
@@ -223,3 +270,7 @@ def test_no_prepare_finalize_keeps_per_forward_state():
                     and isinstance(node.ctx, ast.Store) and node.attr.endswith("_state"):
                 offenders.append(f"{path.name}:{node.lineno} self.{node.attr}")
     assert not offenders, f"PFs keeping per-forward state: {offenders}"
+
+
+def test_symmetric_memory_keeps_a_dispatch_layout_per_micro_batch():
+    assert MICRO_BATCHES <= symm_mem.LAYOUT_SLOTS

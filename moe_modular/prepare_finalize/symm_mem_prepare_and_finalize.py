@@ -48,6 +48,7 @@ class _Dispatched:
     """What finalize needs from the prepare of the same forward (PrepareResult.handle)."""
 
     T: int
+    micro_batch: int
     k: int
     route_S: torch.Tensor  # (S,) int64 flat route index (token * k + slot) of each sent row
     recv_pos_R: torch.Tensor  # (R,) int64 row of the receive buffer holding each received route
@@ -136,9 +137,9 @@ class SymmMemPrepareAndFinalize(EPPrepareAndFinalize):
         (-1: no route); the placement comes from moe.parallel (expert_map is not consulted).
         Returns a1q (R, K), a1q_scale (R, G) / (R, 1) / (1,) / None, topk_ids (R, 1) int64 local
         experts, topk_weights (R, 1) float32, per-local-expert route counts. One host sync (the
-        received layout). The exchange completes inside this call (the received rows are copied out of the
-        symmetric buffer), so micro-batches share the buffers."""
-        check_micro_batch(self, micro_batch)
+        received layout). The received rows are copied out of the symmetric buffer here; the layout the combine
+        needs stays in the manager's slot `micro_batch`."""
+        mb = check_micro_batch(self, micro_batch)
         moe, W, El = self.moe, self.world_size, self.moe.num_local_experts
         if num_experts != moe.num_experts:
             raise ValueError(f"num_experts ({num_experts}) must equal moe.num_experts ({moe.num_experts})")
@@ -163,7 +164,7 @@ class SymmMemPrepareAndFinalize(EPPrepareAndFinalize):
         rows_SB = self.row_format.pack(fields)
 
         with phase("dispatch"):
-            recv_CB, splits_offsets = self.manager.dispatch_2d(self.handle, rows_SB, splits_WEl)
+            recv_CB, splits_offsets = self.manager.dispatch_2d(self.handle, rows_SB, splits_WEl, slot=mb)
         so_2EW = splits_offsets.cpu()  # the step's host sync
         pos_R, cell_R = received_positions(so_2EW)
         pos_R = pos_R.to(recv_CB.device)
@@ -175,7 +176,7 @@ class SymmMemPrepareAndFinalize(EPPrepareAndFinalize):
         a1q_scale = got["scale"] if self.n_scale else scale
         return PrepareResult(a1q=got["x"], a1q_scale=a1q_scale, expert_tokens_meta=meta,
                              topk_ids=local_R1, topk_weights=weights_R1,
-                             handle=_Dispatched(T, k, route_S, pos_R, local_R1, weights_R1))
+                             handle=_Dispatched(T, mb, k, route_S, pos_R, local_R1, weights_R1))
 
     # ---- finalize -----------------------------------------------------------------------------
     def finalize(self, output, fused_expert_output, topk_weights, topk_ids, apply_router_weight_on_input,
@@ -196,10 +197,10 @@ class SymmMemPrepareAndFinalize(EPPrepareAndFinalize):
                        apply_router_weight_on_input)
         wire_RK = rows_RK.to(self.combine_dtype).contiguous()
         cin = self.manager.combine_input(self.handle)
-        cin.index_copy_(0, st.recv_pos_R, wire_RK.view(torch.uint8).reshape(R, -1))
+        cin.index_copy_(0, st.recv_pos_R, wire_RK.view(torch.uint8).reshape(R, K * wire_RK.element_size()))
         S = st.route_S.numel()
         with phase("combine"):
-            back_SK = self.manager.combine_2d(self.handle, S).contiguous().view(self.combine_dtype).reshape(S, K)
+            back_SK = self.manager.combine_2d(self.handle, S, slot=st.micro_batch).contiguous().view(self.combine_dtype).reshape(S, K)
         acc = torch.zeros((st.T * st.k, K), dtype=torch.float32, device=back_SK.device)
         acc.index_copy_(0, st.route_S, back_SK.float())
         output.copy_(acc.view(st.T, st.k, K).sum(dim=1).to(output.dtype))
