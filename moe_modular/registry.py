@@ -1,7 +1,7 @@
 """The registry of the package's PrepareAndFinalize and Experts classes, and the choices derived from it:
 which PrepareAndFinalize serves an all2all backend, and which experts serve an activation format (in order of
 preference, fastest first). Every choice is confirmed by the class's own supports(); a refusal lists every
-candidate's reason. The combinations matrix (tests/modular_kernel_tools/mk_objects.py) runs every class listed
+candidate's reason. The combinations matrix (moe_modular/testing/mk_objects.py) runs every class listed
 here: adding a type is one entry in PREPARE_FINALIZE_TYPES or EXPERTS_TYPES."""
 from __future__ import annotations
 

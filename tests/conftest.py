@@ -1,2 +1,2 @@
-"""pytest setup. The Triton interpreter selection and its float fixes live in tests/__init__.py
-and tests/triton_interpreter_patch.py, so that the matrix CLI and spawned ranks get them too."""
+"""pytest setup. The Triton interpreter is chosen in tests/__init__.py (moe_modular/testing/triton_interpreter.py),
+before any test module imports a kernel."""

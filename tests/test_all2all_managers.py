@@ -20,7 +20,7 @@ from all2all.base import (
 from all2all.rows import RowField, RowFormat
 from moe_modular.parallel_context import ParallelContext
 from moe_modular.quant import FP8_DTYPE
-from tests.modular_kernel_tools.parallel_utils import parallel_launch
+from moe_modular.testing.parallel_utils import parallel_launch
 
 OWN_BACKENDS = ("naive", "allgather_reducescatter", "nccl_all_to_all", "nccl_low_latency")
 GATHER_FAMILY = ("naive", "allgather_reducescatter")

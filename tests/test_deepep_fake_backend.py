@@ -29,9 +29,9 @@ from moe_modular.reference import moe_torch
 from moe_modular.routing import local_expert_ids, make_expert_map
 from moe_modular.weight_and_reduce import TopKWeightAndReduceContiguous
 from tests.deepep_stand_in import make_stand_in
-from tests.modular_kernel_tools.common import Config, tolerance
-from tests.modular_kernel_tools.parallel_utils import parallel_launch
-from tests.modular_kernel_tools.runner import make_inputs, relative_error
+from moe_modular.testing.common import Config, tolerance
+from moe_modular.testing.parallel_utils import parallel_launch
+from moe_modular.testing.runner import make_inputs, relative_error
 
 CPU = torch.device("cpu")
 W = 2

@@ -17,7 +17,7 @@ from moe_modular.modular_kernel import FusedMoEModularKernel
 from moe_modular.parallel_context import ParallelContext
 from moe_modular.prepare_finalize.all_to_all_prepare_and_finalize import AllToAllPrepareAndFinalize
 from moe_modular.quant import MoEQuantParams
-from tests.modular_kernel_tools.parallel_utils import ParallelLaunchError, parallel_launch
+from moe_modular.testing.parallel_utils import ParallelLaunchError, parallel_launch
 
 # Spawn + failure detection + grace; generous for a loaded 2-core machine, far below any hang.
 BOUND_S = 120.0

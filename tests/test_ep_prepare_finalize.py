@@ -39,8 +39,8 @@ from moe_modular.quant import MoEQuantParams, QuantConfig, quantize_weights
 from moe_modular.reference import moe_torch
 from moe_modular.routing import local_expert_ids, make_expert_map
 from moe_modular.workspace import WorkspaceCache
-from tests.modular_kernel_tools.common import tolerance
-from tests.modular_kernel_tools.parallel_utils import parallel_launch
+from moe_modular.testing.common import tolerance
+from moe_modular.testing.parallel_utils import parallel_launch
 
 PF_TYPES = {
     "naive": NaiveAll2AllPrepareAndFinalize,

@@ -16,8 +16,8 @@ from moe_modular.prepare_finalize.all_to_all_prepare_and_finalize import AllToAl
 from moe_modular.prepare_finalize.batched import BatchedPrepareAndFinalize
 from moe_modular.prepare_finalize.no_ep import MoEPrepareAndFinalizeNoEP
 from moe_modular.quant import QuantConfig
-from tests.modular_kernel_tools.matrix import matrix_configs
-from tests.modular_kernel_tools.mk_objects import MK_ALL_PREPARE_FINALIZE_TYPES, MK_FUSED_EXPERT_TYPES, MK_QUANT_CONFIGS
+from moe_modular.testing.matrix import matrix_configs
+from moe_modular.testing.mk_objects import MK_ALL_PREPARE_FINALIZE_TYPES, MK_FUSED_EXPERT_TYPES, MK_QUANT_CONFIGS
 from tools.make_feature_matrix import RESULTS, main, read_csv, run_cells, scheme_label, write_outputs
 
 DOCS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs")

@@ -17,7 +17,7 @@ from moe_modular.registry import prepare_finalize_type
 from moe_modular.routing import ScoringFunc, fused_topk, grouped_topk
 from moe_modular.unquantized_method import UnquantizedFusedMoEMethod
 from moe_modular.workspace import WorkspaceCache
-from tests.modular_kernel_tools.common import tolerance
+from moe_modular.testing.common import tolerance
 
 LAYER_CASES = [
     # (dtype, scheme, T): the edge each case covers

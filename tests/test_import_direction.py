@@ -1,6 +1,6 @@
 """The project's import arrows, read from its own import statements (ast, nothing is imported).
 
-    moe_modular -> all2all, and neither of them -> tests or tools;
+    moe_modular -> all2all, and neither of them -> tests or tools; tools -> the packages, never tests;
     no import cycles among the modules of moe_modular and all2all.
 
 Every import statement counts, module level or inside a function: a deferred import still ties
@@ -89,6 +89,10 @@ def test_packages_import_neither_tests_nor_tools(graph, pkg):
     assert _edges(graph, pkg, ("tests", "tools")) == []
 
 
+def test_tools_import_nothing_from_tests(graph):
+    assert _edges(graph, "tools", ("tests",)) == []
+
+
 def test_all2all_imports_nothing_from_moe_modular(graph):
     assert _edges(graph, "all2all", ("moe_modular",)) == []
 
@@ -175,3 +179,15 @@ print(float(((out - ref).norm() / ref.norm())))
                           timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert float(proc.stdout.strip()) < 3e-2
+
+
+def test_importing_the_harness_chooses_no_interpreter():
+    """moe_modular.testing sets nothing on import: each command line chooses Triton's interpreter in its main."""
+    import subprocess
+    import sys
+
+    code = ("import os, moe_modular.testing.cli, moe_modular.testing.matrix, moe_modular.testing.parallel_utils; "
+            "assert 'TRITON_INTERPRET' not in os.environ, os.environ['TRITON_INTERPRET']")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr

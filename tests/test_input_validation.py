@@ -24,7 +24,7 @@ from moe_modular.prepare_finalize.no_ep import MoEPrepareAndFinalizeNoEP
 from moe_modular.quant import MoEQuantParams, QuantConfig, quantize_weights
 from moe_modular.reference import moe_torch
 from moe_modular.workspace import WorkspaceCache
-from tests.modular_kernel_tools.common import tolerance
+from moe_modular.testing.common import tolerance
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 T, E, K, N, TOPK = 6, 4, 32, 16, 2
@@ -217,7 +217,7 @@ def test_a_slowly_growing_batch_reallocates_a_logarithmic_number_of_times():
 
 # ---- 7. the combinations CLI ---------------------------------------------------------------------
 def test_cli_static_fp8_with_no_tokens_passes(capsys):
-    from tests.test_modular_kernel_combinations import main
+    from moe_modular.testing.cli import main
 
     rc = main(["--pf-type", "MoEPrepareAndFinalizeNoEP", "--experts-type", "TorchExperts", "-m", "0", "1",
                "--topk", "2", "--quant-dtype", "fp8", "--static-activation-scale"])
@@ -226,7 +226,7 @@ def test_cli_static_fp8_with_no_tokens_passes(capsys):
 
 
 def test_cli_whole_matrix_with_no_runnable_cell_is_not_a_pass(capsys):
-    from tests.test_modular_kernel_combinations import main
+    from moe_modular.testing.cli import main
 
     # world size 3 with 8 experts: no EP class takes it, and the single-device classes need 1 rank
     rc = main(["--world-size", "3", "--num-experts", "8", "-m", "1", "--topk", "1", "--dtype", "float32"])
@@ -240,7 +240,7 @@ def test_cli_whole_matrix_with_no_runnable_cell_is_not_a_pass(capsys):
                                     "--per-token-quantized-activations", "--per-channel-quantized-weights"]],
                          ids=["no-quant-dtype", "block", "per-token"])
 def test_cli_refuses_a_static_scale_it_would_ignore(flags, capsys):
-    from tests.test_modular_kernel_combinations import main
+    from moe_modular.testing.cli import main
 
     rc = main(["--pf-type", "MoEPrepareAndFinalizeNoEP", "--experts-type", "TorchExperts", "-m", "1", *flags])
     err = capsys.readouterr().err
@@ -310,6 +310,6 @@ def _mismatch_worker(pgi, case: str) -> None:
 
 @pytest.mark.parametrize("case", ["hidden", "intermediate+tokens", "placement", "pf", "scheme"])
 def test_a_layer_configured_differently_on_the_ranks_fails_on_every_rank(case):
-    from tests.modular_kernel_tools.parallel_utils import parallel_launch
+    from moe_modular.testing.parallel_utils import parallel_launch
 
     parallel_launch(2, _mismatch_worker, case, timeout_s=120)

@@ -4,9 +4,9 @@ from __future__ import annotations
 import pytest
 
 from moe_modular.config import Activation, ExpertPlacement
-from tests.modular_kernel_tools.matrix import matrix_configs, tour
-from tests.modular_kernel_tools.mk_objects import MK_ALL_PREPARE_FINALIZE_TYPES, MK_FUSED_EXPERT_TYPES, MK_QUANT_CONFIGS
-from tests.test_modular_kernel_combinations import PYTEST_MS, PYTEST_SHAPE, PYTEST_TOPKS, parse_request
+from moe_modular.testing.matrix import matrix_configs, tour
+from moe_modular.testing.mk_objects import MK_ALL_PREPARE_FINALIZE_TYPES, MK_FUSED_EXPERT_TYPES, MK_QUANT_CONFIGS
+from moe_modular.testing.cli import CPU_MS as PYTEST_MS, CPU_SHAPE as PYTEST_SHAPE, CPU_TOPKS as PYTEST_TOPKS, parse_request
 
 
 def _cells(world_sizes):

@@ -7,7 +7,7 @@ import shlex
 
 import pytest
 
-from tests.test_modular_kernel_combinations import parse_request
+from moe_modular.testing.cli import parse_request
 from tools.profile_modular_kernel import (
     CPU_RANGE_CATEGORY,
     TRACE_METADATA_KEY,

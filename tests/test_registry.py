@@ -13,7 +13,7 @@ import moe_modular.prepare_finalize
 from moe_modular import registry
 from moe_modular.interfaces import FusedMoEExpertsModular, FusedMoEPrepareAndFinalizeModular
 from moe_modular.quant import QuantConfig
-from tests.modular_kernel_tools.mk_objects import MK_ALL_PREPARE_FINALIZE_TYPES, MK_FUSED_EXPERT_TYPES
+from moe_modular.testing.mk_objects import MK_ALL_PREPARE_FINALIZE_TYPES, MK_FUSED_EXPERT_TYPES
 
 
 def _concrete(package, base) -> set[type]:

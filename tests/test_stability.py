@@ -23,8 +23,8 @@ from moe_modular.prepare_finalize.batched import BatchedPrepareAndFinalize
 from moe_modular.prepare_finalize.no_ep import MoEPrepareAndFinalizeNoEP
 from moe_modular.quant import MoEQuantParams, QuantConfig, quantize_weights
 from moe_modular.routing import local_expert_ids
-from tests.modular_kernel_tools.common import tolerance
-from tests.modular_kernel_tools.parallel_utils import ParallelLaunchError, parallel_launch
+from moe_modular.testing.common import tolerance
+from moe_modular.testing.parallel_utils import ParallelLaunchError, parallel_launch
 
 E, K, N, TOPK = 8, 32, 16, 2
 

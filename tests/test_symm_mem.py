@@ -22,9 +22,9 @@ from moe_modular.prepare_finalize.symm_mem_prepare_and_finalize import (
 from moe_modular.quant import MoEQuantParams, QuantConfig
 from moe_modular.reference import moe_torch
 from moe_modular.routing import local_expert_ids, make_expert_map
-from tests.modular_kernel_tools.common import Config, tolerance
-from tests.modular_kernel_tools.parallel_utils import parallel_launch
-from tests.modular_kernel_tools.runner import make_inputs, relative_error
+from moe_modular.testing.common import Config, tolerance
+from moe_modular.testing.parallel_utils import parallel_launch
+from moe_modular.testing.runner import make_inputs, relative_error
 
 CPU = torch.device("cpu")
 W = 2

@@ -32,7 +32,7 @@ from moe_modular.tile_config import (
 )
 from moe_modular.weight_and_reduce import TopKWeightAndReduceDelegate, TopKWeightAndReduceNoOp
 from moe_modular.workspace import WorkspaceCache
-from tests.modular_kernel_tools.common import tolerance
+from moe_modular.testing.common import tolerance
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 

@@ -39,9 +39,9 @@ from moe_modular.quant import MoEQuantParams, QuantConfig
 from moe_modular.reference import moe_torch
 from moe_modular.routing import local_expert_ids, make_expert_map
 from moe_modular.workspace import WorkspaceCache
-from tests.modular_kernel_tools.common import tolerance
+from moe_modular.testing.common import tolerance
 from tests.deepep_stand_in import make_stand_in
-from tests.modular_kernel_tools.parallel_utils import parallel_launch
+from moe_modular.testing.parallel_utils import parallel_launch
 from tests.test_ep_prepare_finalize import BLOCK, EXPERTS_BY_FORMAT, PF_TYPES, Case, make_problem, rel_error
 from tests.test_symm_mem import GlooSymmMemStandIn
 

@@ -34,7 +34,7 @@ from moe_modular.integrations.vllm_kernel_adapter import VllmKernelAdapter  # no
 from moe_modular.integrations.vllm_plugin_settings import VllmPluginSettings  # noqa: E402
 from moe_modular.quant import MoEQuantParams, QuantConfig, quantize_weights  # noqa: E402
 from moe_modular.reference import moe_torch  # noqa: E402
-from tests.modular_kernel_tools.common import tolerance  # noqa: E402
+from moe_modular.testing.common import tolerance  # noqa: E402
 
 ON = VllmPluginSettings(enabled=True)
 

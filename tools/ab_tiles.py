@@ -105,7 +105,7 @@ def parse_args(argv=None):
         args.rep_ms, args.rounds = 1.0, 1
     if args.smoke and not torch.cuda.is_available():
         # before anything imports triton: the overrides are checked against GemmTile, in the kernel module
-        from tests.triton_interpreter_patch import use_interpreter
+        from moe_modular.testing.triton_interpreter import use_interpreter
 
         use_interpreter()
     try:

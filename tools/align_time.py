@@ -74,7 +74,7 @@ def parse_args(argv=None):
     if args.smoke:
         args.rep_ms, args.rounds, args.repeat = 1.0, 1, 1
     if args.smoke and not torch.cuda.is_available():
-        from tests.triton_interpreter_patch import use_interpreter
+        from moe_modular.testing.triton_interpreter import use_interpreter
 
         use_interpreter()
     return args, shapes

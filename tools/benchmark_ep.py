@@ -23,7 +23,7 @@ Timing: warm-up, then repetitions, each phase preceded by a barrier of all ranks
 GPU, perf_counter on the CPU; every rank's median, and the cell reports the largest (the slowest rank).
 Each cell's layer output (NaN-filled first) is compared once with the float32 oracle
 (moe_modular.reference.moe_torch) on the first CHECK_TOKENS tokens of every rank, with the tolerance
-of the number format (tests/modular_kernel_tools/common.py); above it the cell is FAIL.
+of the number format (moe_modular/testing/common.py); above it the cell is FAIL.
 
 Bytes per rank (what crosses to other ranks; see the byte models below): the busiest rank's bytes of
 the phase; algorithmic bandwidth = bytes / time. The link bandwidth is measured in the same run: a
@@ -35,10 +35,6 @@ Writes OUT/benchmark_ep.csv (one row per cell, status PASS / FAIL / SKIP and rea
 matplotlib, skipped with a note when it is missing). Prints the table last. Exit 1 when a cell FAILs.
 """
 from __future__ import annotations
-
-# First: on a CPU-only machine the test package selects Triton's interpreter before triton is
-# imported (tests/__init__.py), here and in every spawned rank.
-import tests  # noqa: F401  isort: skip
 
 import argparse
 import json
@@ -544,8 +540,8 @@ def run_cell(spec: PFSpec, wire: str, qc: QuantConfig, T: int, data: _RankData, 
     from moe_modular.modular_kernel import FusedMoEModularKernel
     from moe_modular.registry import select_experts_type
     from moe_modular.weight_and_reduce import TopKWeightAndReduceNoOp
-    from tests.modular_kernel_tools.common import tolerance
-    from tests.modular_kernel_tools.runner import relative_error
+    from moe_modular.testing.common import tolerance
+    from moe_modular.testing.runner import relative_error
 
     rank, W, device = context.rank, context.world_size, context.device
     moe = cell_moe(spec, cfg.problem, qc, W, rank, T)
@@ -776,7 +772,7 @@ def plot(path: str, rows: list[dict], meta: dict) -> Optional[str]:
 def run(cfg: RunConfig, out_dir: str, specs: Optional[Sequence[PFSpec]] = None, backend: Optional[str] = None,
         timeout_s: float = 3600.0, command: str = "") -> tuple[list[dict], dict]:
     """Spawn the ranks, run every cell, write OUT/benchmark_ep.{csv,json,png}; (rows, run metadata)."""
-    from tests.modular_kernel_tools.parallel_utils import ParallelLaunchError, choose_backend, parallel_launch
+    from moe_modular.testing.parallel_utils import ParallelLaunchError, choose_backend, parallel_launch
 
     specs = tuple(PF_SPECS.values() if specs is None else specs)
     backend = backend or choose_backend(cfg.world_size)

@@ -758,7 +758,7 @@ def main(argv=None) -> int:
     device = torch.device("cpu" if args.smoke or not torch.cuda.is_available() else "cuda")
     if device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1":
         # Triton experts on the CPU run through the interpreter; fix its float handling first.
-        from tests.triton_interpreter_patch import patch_triton_interpreter
+        from moe_modular.testing.triton_interpreter import patch_triton_interpreter
 
         patch_triton_interpreter()
     os.makedirs(args.out, exist_ok=True)

@@ -75,8 +75,8 @@ def _single_gpu_worker(pgi, sink_path: str) -> None:
     from moe_modular.prepare_finalize.deepep_ll_prepare_and_finalize import DeepEPLLPrepareAndFinalize
     from moe_modular.prepare_finalize.symm_mem_prepare_and_finalize import SymmMemPrepareAndFinalize
     from moe_modular.quant import QuantConfig
-    from tests.modular_kernel_tools.common import Config
-    from tests.modular_kernel_tools.runner import run_case
+    from moe_modular.testing.common import Config
+    from moe_modular.testing.runner import run_case
 
     sink: list = []
     ctx = ParallelContext.from_group(pgi.group, pgi.device)
@@ -149,8 +149,8 @@ def _single_gpu_worker(pgi, sink_path: str) -> None:
         # receiver runs its receive hook (counted); routed output against the oracle, shared output exact
         from moe_modular.modular_kernel import FusedMoEModularKernel
         from moe_modular.reference import moe_torch
-        from tests.modular_kernel_tools.common import tolerance
-        from tests.modular_kernel_tools.runner import make_inputs, relative_error
+        from moe_modular.testing.common import tolerance
+        from moe_modular.testing.runner import make_inputs, relative_error
 
         quant = QuantConfig.fp8_block((128, 128))
         cfg = Config(Ms=(7,), K=2048, N=512, E=8, topks=(2,), dtype=torch.bfloat16, quant=quant,
@@ -193,8 +193,8 @@ def _multi_gpu_worker(pgi, sink_path: str) -> None:
     from moe_modular.prepare_finalize.deepep_ll_prepare_and_finalize import DeepEPLLPrepareAndFinalize
     from moe_modular.prepare_finalize.symm_mem_prepare_and_finalize import SymmMemPrepareAndFinalize
     from moe_modular.quant import QuantConfig
-    from tests.modular_kernel_tools.common import Config
-    from tests.modular_kernel_tools.runner import run_case
+    from moe_modular.testing.common import Config
+    from moe_modular.testing.runner import run_case
 
     sink: list = []
     ctx = ParallelContext.from_group(pgi.group, pgi.device)
@@ -236,7 +236,7 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=None, help="directory for check_ep_gpu.txt")
     ap.add_argument("--timeout-s", type=float, default=420.0)
     args = ap.parse_args(argv)
-    from tests.modular_kernel_tools.parallel_utils import ParallelLaunchError, parallel_launch
+    from moe_modular.testing.parallel_utils import ParallelLaunchError, parallel_launch
 
     sink: list = []
     if not torch.cuda.is_available():

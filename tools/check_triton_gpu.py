@@ -420,7 +420,7 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     start = time.time()
     if args.smoke:
-        from tests.triton_interpreter_patch import use_interpreter
+        from moe_modular.testing.triton_interpreter import use_interpreter
 
         use_interpreter()
         device = torch.device("cpu")

@@ -226,7 +226,7 @@ def table(rows: list[dict]) -> str:
 def main(argv=None) -> int:
     args, shapes = parse_args(argv)
     if args.smoke and not torch.cuda.is_available():
-        from tests.triton_interpreter_patch import use_interpreter
+        from moe_modular.testing.triton_interpreter import use_interpreter
 
         use_interpreter()
     device, timer, shipped, dev_key = trial_context(args)

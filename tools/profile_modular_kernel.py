@@ -8,7 +8,7 @@
 The problem flags and their errors are the combinations CLI's
 (tests/test_modular_kernel_combinations.py). The ranks are spawned with parallel_launch (gloo on
 the CPU, NCCL on GPUs), also at world size 1. For every M x topk, each rank builds the case the
-combinations matrix builds (tests/modular_kernel_tools/runner.py), runs the forward `--warmup`
+combinations matrix builds (moe_modular/testing/runner.py), runs the forward `--warmup`
 times, then once under torch.profiler (CPU activity, plus CUDA where present, shapes recorded)
 and writes DIR/m{M}_topk{k}_rank{r}.json. An existing file is never overwritten: the run takes
 the first suffix (_1, _2, ...) free for all its files. The profiled forward's output is checked
@@ -28,19 +28,16 @@ import tempfile
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
-# First: on a CPU-only machine the test package selects Triton's interpreter before triton is
-# imported and applies its float fixes (tests/__init__.py), here and in every spawned rank.
-import tests  # noqa: F401  isort: skip
-
 import torch
 import torch.distributed as dist
 from torch.profiler import ProfilerActivity, profile, record_function
 
 from moe_modular.config import dtype_name
-from tests.modular_kernel_tools.common import Config
-from tests.modular_kernel_tools.matrix import matrix_configs
-from tests.modular_kernel_tools.runner import CaseResult, run_case
-from tests.test_modular_kernel_combinations import build_parser, parse_request
+from moe_modular.testing.common import Config
+from moe_modular.testing.matrix import matrix_configs
+from moe_modular.testing.cli import build_parser, parse_request
+from moe_modular.testing.runner import CaseResult, run_case
+from moe_modular.testing.triton_interpreter import use_interpreter_without_gpu
 
 # The ranges a forward emits, outermost first within each group. `forward` is this tool's range
 # around one call; the kernel emits prepare / shared_experts / experts / finalize; the EP
@@ -192,7 +189,7 @@ def _profile_worker(pgi, cfg: Config, trace_dir: str, suffix: str, warmup: int, 
 
 def profile_config(cfg: Config, trace_dir: str, warmup: int = DEFAULT_WARMUP) -> list[RankCase]:
     """Spawn cfg.world_size ranks, profile every case of `cfg`; the cases of all ranks, rank-major."""
-    from tests.modular_kernel_tools.parallel_utils import parallel_launch
+    from moe_modular.testing.parallel_utils import parallel_launch
 
     os.makedirs(trace_dir, exist_ok=True)
     suffix = choose_suffix(trace_dir, cfg)
@@ -258,6 +255,7 @@ def format_summary(cases: list[RankCase]) -> str:
 # ---- command line ----------------------------------------------------------------------------
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
+    use_interpreter_without_gpu()  # before the class registry imports a kernel
     try:
         req = parse_profile_request(argv)
     except UnsupportedPair as exc:

@@ -257,10 +257,10 @@ def trial_context(args):
 def main(argv=None) -> int:
     args, shapes = parse_args(argv)
     if args.smoke and not torch.cuda.is_available():
-        from tests.triton_interpreter_patch import use_interpreter
+        from moe_modular.testing.triton_interpreter import use_interpreter
 
         use_interpreter()
-    from tests.modular_kernel_tools.progress import ProgressBar
+    from moe_modular.testing.progress import ProgressBar
 
     from moe_modular.tile_config import TileConfig, TileConfigTable
 

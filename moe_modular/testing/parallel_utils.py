@@ -29,6 +29,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from moe_modular.testing.triton_interpreter import interpreter_requested, patch_triton_interpreter
+
 DEFAULT_TIMEOUT_S = 300.0
 DEFAULT_GRACE_S = 10.0
 _POLL_S = 0.05
@@ -81,6 +83,8 @@ def _child(
     """Entry point of one spawned rank: init the group, run the worker, report to the parent."""
     status, detail = "ok", ""
     try:
+        if interpreter_requested():  # the parent chose Triton's interpreter; this process needs its fixes too
+            patch_triton_interpreter()
         if backend == "nccl":
             device = torch.device("cuda", rank)
             torch.cuda.set_device(device)

@@ -14,8 +14,8 @@ import torch.distributed as dist
 
 from moe_modular.config import Activation, ExpertPlacement
 from moe_modular.quant import QuantConfig
-from tests.modular_kernel_tools.common import Config
-from tests.modular_kernel_tools.runner import CaseResult, run_case
+from moe_modular.testing.common import Config
+from moe_modular.testing.runner import CaseResult, run_case
 
 
 # How long a rank waits in one collective of a cell before the cell fails (a peer raised).
@@ -173,7 +173,7 @@ def run_batched(cfgs: list[Config], world_size: int, on_done: Callable[[int, Cel
     """Run `cfgs` (all of `world_size`) in as few launches as possible; on_done(i, outcome) for each
     cell as it completes, in order. A launch that fails (a rank died or the launch timed out) fails
     the cell it was in, and the cells after it are relaunched."""
-    from tests.modular_kernel_tools.parallel_utils import parallel_launch
+    from moe_modular.testing.parallel_utils import parallel_launch
 
     start = 0
     while start < len(cfgs):
@@ -208,7 +208,7 @@ def run_batched(cfgs: list[Config], world_size: int, on_done: Callable[[int, Cel
 
 def launch_failure_line(exc: Optional[BaseException]) -> str:
     """A failed launch in one line: each failed rank with the last line of what happened to it."""
-    from tests.modular_kernel_tools.parallel_utils import ParallelLaunchError
+    from moe_modular.testing.parallel_utils import ParallelLaunchError
 
     if isinstance(exc, ParallelLaunchError):
         return "launch failed: " + " | ".join(f"rank {r}: {last_line(d)}" for r, d in exc.failures.items())

@@ -25,7 +25,7 @@ from moe_modular.quant import (
 from moe_modular.reference import moe_torch
 from moe_modular.routing import fused_topk, local_expert_ids, make_expert_map
 from moe_modular.workspace import WorkspaceCache
-from tests.modular_kernel_tools.common import Config, tolerance
+from moe_modular.testing.common import Config, tolerance
 
 
 @dataclass(frozen=True)

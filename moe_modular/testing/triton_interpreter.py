@@ -1,6 +1,8 @@
-"""A test-only fix of Triton's interpreter float handling, so kernels run on the CPU compute what
-the GPU computes. Applied by tests/__init__.py in every process that imports the test package
-(pytest, the matrix CLI and its spawned ranks) when TRITON_INTERPRET=1; never part of the library.
+"""Triton's interpreter for running the kernels on a CPU, with a fix of its float handling so they compute what
+the GPU computes. Nothing happens on import: a command line that may run without a GPU calls
+`use_interpreter_without_gpu()` first thing in its main, before it imports any kernel module (Triton reads
+TRITON_INTERPRET when a kernel is defined); tests/__init__.py does it for the test suite, and a rank spawned by
+`parallel_launch` inherits the choice and applies the fixes before its worker runs.
 
 `patch_triton_interpreter()` fixes four things in triton 3.6's interpreter, all seen with numpy 2:
   1. bf16 values are held as raw uint16 patterns and numpy runs arithmetic, comparisons, tl.dot
@@ -24,6 +26,19 @@ def use_interpreter() -> bool:
     below. Returns what patch_triton_interpreter returns."""
     os.environ.setdefault("TRITON_INTERPRET", "1")
     return patch_triton_interpreter()
+
+
+def use_interpreter_without_gpu() -> bool:
+    """use_interpreter() when this machine has no CUDA device and the environment does not choose; else, where
+    the environment already asks for the interpreter, only its fixes. Returns True when the interpreter is on."""
+    if "TRITON_INTERPRET" not in os.environ and not torch.cuda.is_available():
+        return use_interpreter()
+    return interpreter_requested() and patch_triton_interpreter()
+
+
+def interpreter_requested() -> bool:
+    """Whether this process's environment asks Triton for its interpreter."""
+    return os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def patch_triton_interpreter() -> bool:
