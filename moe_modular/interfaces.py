@@ -12,12 +12,16 @@ from __future__ import annotations
 import enum
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import torch
 
 from moe_modular.config import Activation, MoEConfig
 from moe_modular.quant import MoEQuantParams, QuantConfig
+
+if TYPE_CHECKING:
+    from moe_modular.prepare_finalize.combine_wire import CombineWire
+    from moe_modular.prepare_finalize.wire_bytes import PhaseBytes, RouteCounts
 
 
 class ActivationFormat(enum.Enum):
@@ -137,6 +141,25 @@ class FusedMoEPrepareAndFinalizeModular(ABC):
         """True when, under `quant`, this PF quantizes before it dispatches (the tokens travel in fp8 where the
         scheme is fp8); default False, which is also the answer of a PF that does not dispatch."""
         return False
+
+    @classmethod
+    def wire_bytes(cls, moe: MoEConfig, counts: "RouteCounts", wire: "Optional[CombineWire]",
+                   experts_reduce: bool) -> "Optional[PhaseBytes]":
+        """The bytes every rank sends to the other ranks in this PF's dispatch and combine under `counts`
+        (moe_modular/prepare_finalize/wire_bytes.py); `wire`: the combine wire, for a PF with several
+        (combine_wires()); experts_reduce: the experts sum each token's routes themselves. None (the default):
+        not modelled, which is also the answer of a PF that moves nothing between ranks."""
+        return None
+
+    @classmethod
+    def combine_wires(cls) -> tuple[str, ...]:
+        """The names make(moe, context, combine_wire=...) accepts; () (the default): one way to combine."""
+        return ()
+
+    @classmethod
+    def vllm_all2all_backend(cls) -> Optional[str]:
+        """The vLLM --all2all-backend name this PF serves under the vLLM plugin; None (the default): none."""
+        return None
 
     def has_prepare_no_receive(self) -> bool:
         return False

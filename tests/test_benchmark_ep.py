@@ -1,5 +1,6 @@
-"""tools/benchmark_ep.py: the bytes-moved arithmetic by hand, the command line's errors, and the smoke
-run at world size 2 on gloo (every EP PF listed, PASS / SKIP with reasons, a broken PF reported FAIL)."""
+"""tools/benchmark_ep.py: the PFs' bytes-moved arithmetic (their wire_bytes) by hand, the command line's errors,
+and the smoke run at world size 2 on gloo (every EP PF listed, PASS / SKIP with reasons, a broken PF reported
+FAIL)."""
 from __future__ import annotations
 
 import csv
@@ -9,9 +10,18 @@ import pytest
 import torch
 
 from moe_modular.prepare_finalize.all_to_all_prepare_and_finalize import AllToAllPrepareAndFinalize
+from moe_modular.prepare_finalize.allgather_reducescatter_prepare_and_finalize import (
+    AllGatherReduceScatterPrepareAndFinalize,
+)
 from moe_modular.prepare_finalize.combine_wire import COMBINE_WIRES
 from moe_modular.prepare_finalize.deepep_ht_prepare_and_finalize import DeepEPHTPrepareAndFinalize
+from moe_modular.prepare_finalize.deepep_ll_prepare_and_finalize import DeepEPLLPrepareAndFinalize
 from moe_modular.prepare_finalize.ep_common import ExpertPlacementTables
+from moe_modular.prepare_finalize.low_latency_all2all_prepare_and_finalize import LowLatencyAll2AllPrepareAndFinalize
+from moe_modular.prepare_finalize.naive_all2all_prepare_and_finalize import NaiveAll2AllPrepareAndFinalize
+from moe_modular.prepare_finalize.slice_allgather_prepare_and_finalize import SliceAllGatherPrepareAndFinalize
+from moe_modular.prepare_finalize.symm_mem_prepare_and_finalize import SymmMemPrepareAndFinalize
+from moe_modular.prepare_finalize.wire_bytes import PhaseBytes, RouteCounts
 from moe_modular.quant import QuantConfig
 from moe_modular.registry import NO_EP_BACKEND, PREPARE_FINALIZE_BY_BACKEND
 from tools import benchmark_ep as bep
@@ -35,14 +45,14 @@ def moe_for(qc: QuantConfig, max_tokens: int = 2, rank: int = 0):
 
 
 def test_route_counts_from_owners():
-    c = bep.RouteCounts.from_owners(OWNERS)
+    c = RouteCounts.from_owners(OWNERS)
     assert c.pairs == ((2, 1), (2, 1)) and c.routes == ((3, 1), (3, 1))
     assert c.sent(c.pairs) == [1, 2] and c.returned(c.pairs) == [2, 1]
     assert c.sent(c.routes) == [1, 3] and c.returned(c.routes) == [3, 1]
 
 
 def test_route_counts_ignore_routes_without_expert():
-    c = bep.RouteCounts.from_owners(torch.tensor([[[-1, -1]], [[0, -1]]]))
+    c = RouteCounts.from_owners(torch.tensor([[[-1, -1]], [[0, -1]]]))
     assert c.pairs == ((0, 0), (1, 0)) and c.routes == ((0, 0), (1, 0))
 
 
@@ -52,42 +62,42 @@ W2 = COMBINE_WIRES
 BYTE_CASES = [
     # (model, scheme, wire, experts reduce, dispatch bytes per rank, combine bytes per rank)
     # token-level exchange: one row per (token, other rank); prereduced: one bf16 row back per entry
-    (bep.bytes_all_to_all, BF16, W2["prereduced"], False, (1 * BF16_ROW, 2 * BF16_ROW), (2 * BF16_ROW, 1 * BF16_ROW)),
+    (AllToAllPrepareAndFinalize.wire_bytes, BF16, W2["prereduced"], False, (1 * BF16_ROW, 2 * BF16_ROW), (2 * BF16_ROW, 1 * BF16_ROW)),
     # hi + lo: two rows back per entry
-    (bep.bytes_all_to_all, BF16, W2["prereduced_hilo"], False, (512, 1024), (4 * BF16_ROW, 2 * BF16_ROW)),
+    (AllToAllPrepareAndFinalize.wire_bytes, BF16, W2["prereduced_hilo"], False, (512, 1024), (4 * BF16_ROW, 2 * BF16_ROW)),
     # per_route with experts that leave route rows: one row per route back (3 and 1 routes)
-    (bep.bytes_all_to_all, BF16, W2["per_route"], False, (512, 1024), (3 * BF16_ROW, 1 * BF16_ROW)),
+    (AllToAllPrepareAndFinalize.wire_bytes, BF16, W2["per_route"], False, (512, 1024), (3 * BF16_ROW, 1 * BF16_ROW)),
     # per_route with experts that reduce themselves: one row per (token, rank), like prereduced
-    (bep.bytes_all_to_all, BF16, W2["per_route"], True, (512, 1024), (2 * BF16_ROW, 1 * BF16_ROW)),
+    (AllToAllPrepareAndFinalize.wire_bytes, BF16, W2["per_route"], True, (512, 1024), (2 * BF16_ROW, 1 * BF16_ROW)),
     # fp8: 1-byte values plus the scales that travel in the row; the combine stays bf16
-    (bep.bytes_all_to_all, FP8_BLOCK, W2["prereduced"], False, (FP8_BLOCK_ROW, 2 * FP8_BLOCK_ROW), (1024, 512)),
-    (bep.bytes_all_to_all, FP8_TOKEN, W2["prereduced"], False, (FP8_TOKEN_ROW, 2 * FP8_TOKEN_ROW), (1024, 512)),
+    (AllToAllPrepareAndFinalize.wire_bytes, FP8_BLOCK, W2["prereduced"], False, (FP8_BLOCK_ROW, 2 * FP8_BLOCK_ROW), (1024, 512)),
+    (AllToAllPrepareAndFinalize.wire_bytes, FP8_TOKEN, W2["prereduced"], False, (FP8_TOKEN_ROW, 2 * FP8_TOKEN_ROW), (1024, 512)),
     # slice + all-gather: the all-to-all, then (W-1) * T rows of the bf16 output gathered
-    (bep.bytes_slice_allgather, BF16, W2["prereduced"], False, (512, 1024), (1024 + 2 * BF16_ROW, 512 + 2 * BF16_ROW)),
+    (SliceAllGatherPrepareAndFinalize.wire_bytes, BF16, W2["prereduced"], False, (512, 1024), (1024 + 2 * BF16_ROW, 512 + 2 * BF16_ROW)),
     # broadcasts: T rows from each of the W-1 others; all-reduce of (W*T, K) float32: 2 (W-1) T K 4
-    (bep.bytes_naive, BF16, None, False, (2 * BF16_ROW,) * 2, (2 * 1 * 2 * K * 4,) * 2),
-    (bep.bytes_naive, FP8_BLOCK, None, False, (2 * FP8_BLOCK_ROW,) * 2, (4096,) * 2),
+    (NaiveAll2AllPrepareAndFinalize.wire_bytes, BF16, None, False, (2 * BF16_ROW,) * 2, (2 * 1 * 2 * K * 4,) * 2),
+    (NaiveAll2AllPrepareAndFinalize.wire_bytes, FP8_BLOCK, None, False, (2 * FP8_BLOCK_ROW,) * 2, (4096,) * 2),
     # all-gather the same rows; reduce-scatter sends (W-1) T K float32
-    (bep.bytes_allgather_reducescatter, BF16, None, False, (2 * BF16_ROW,) * 2, (1 * 2 * K * 4,) * 2),
+    (AllGatherReduceScatterPrepareAndFinalize.wire_bytes, BF16, None, False, (2 * BF16_ROW,) * 2, (1 * 2 * K * 4,) * 2),
     # fixed slots: El (2) x Tm (2) rows to the other rank whatever the routing, both ways
-    (bep.bytes_low_latency, BF16, None, False, (4 * BF16_ROW,) * 2, (4 * BF16_ROW,) * 2),
-    (bep.bytes_low_latency, FP8_BLOCK, None, False, (4 * FP8_BLOCK_ROW,) * 2, (4 * BF16_ROW,) * 2),
+    (LowLatencyAll2AllPrepareAndFinalize.wire_bytes, BF16, None, False, (4 * BF16_ROW,) * 2, (4 * BF16_ROW,) * 2),
+    (LowLatencyAll2AllPrepareAndFinalize.wire_bytes, FP8_BLOCK, None, False, (4 * FP8_BLOCK_ROW,) * 2, (4 * BF16_ROW,) * 2),
     # one row per route, out and back
-    (bep.bytes_symm_mem, BF16, None, False, (1 * BF16_ROW, 3 * BF16_ROW), (3 * BF16_ROW, 1 * BF16_ROW)),
+    (SymmMemPrepareAndFinalize.wire_bytes, BF16, None, False, (1 * BF16_ROW, 3 * BF16_ROW), (3 * BF16_ROW, 1 * BF16_ROW)),
     # DeepEP low latency: per route at the kernel hidden 2048, fp8 with 2048/128 scales for 1x128 groups
-    (bep.bytes_deepep_ll, BF16, None, False, (1 * 4096, 3 * 4096), (3 * 4096, 1 * 4096)),
-    (bep.bytes_deepep_ll, FP8_BLOCK, None, False, (1 * 2112, 3 * 2112), (3 * 4096, 1 * 4096)),
+    (DeepEPLLPrepareAndFinalize.wire_bytes, BF16, None, False, (1 * 4096, 3 * 4096), (3 * 4096, 1 * 4096)),
+    (DeepEPLLPrepareAndFinalize.wire_bytes, FP8_BLOCK, None, False, (1 * 2112, 3 * 2112), (3 * 4096, 1 * 4096)),
     # DeepEP high throughput: per (token, rank); K=256 bf16 is one 512-byte unit already
-    (bep.bytes_deepep_ht, BF16, None, False, (512, 1024), (1024, 512)),
+    (DeepEPHTPrepareAndFinalize.wire_bytes, BF16, None, False, (512, 1024), (1024, 512)),
     # fp8 rows must be whole 512-byte units too: K padded to 512, plus two group scales
-    (bep.bytes_deepep_ht, FP8_BLOCK, None, False, (512 + 8, 2 * (512 + 8)), (2 * 1024, 1024)),
+    (DeepEPHTPrepareAndFinalize.wire_bytes, FP8_BLOCK, None, False, (512 + 8, 2 * (512 + 8)), (2 * 1024, 1024)),
 ]
 
 
 @pytest.mark.parametrize("model,qc,wire,reduce,dispatch,combine", BYTE_CASES,
-                         ids=[f"{c[0].__name__}-{c[1].name}-{c[2].name if c[2] else '-'}-{c[3]}" for c in BYTE_CASES])
+                         ids=[f"{c[0].__self__.__name__}-{c[1].name}-{c[2].name if c[2] else '-'}-{c[3]}" for c in BYTE_CASES])
 def test_bytes_moved(model, qc, wire, reduce, dispatch, combine):
-    got = model(moe_for(qc), bep.RouteCounts.from_owners(OWNERS), wire, reduce)
+    got = model(moe_for(qc), RouteCounts.from_owners(OWNERS), wire, reduce)
     assert got.dispatch == dispatch
     assert got.combine == combine
 
@@ -99,11 +109,11 @@ def test_deepep_ht_padding_is_what_the_pf_uses():
 
 
 def test_one_rank_moves_nothing():
-    c = bep.RouteCounts.from_owners(torch.zeros((1, 3, 2), dtype=torch.int64))
+    c = RouteCounts.from_owners(torch.zeros((1, 3, 2), dtype=torch.int64))
     moe = bep.moe_config(bep.Problem("hand", 4, K, 64, 2), BF16, 1, 0, 3)
-    for model in (bep.bytes_all_to_all, bep.bytes_naive, bep.bytes_low_latency, bep.bytes_symm_mem):
+    for model in (AllToAllPrepareAndFinalize.wire_bytes, NaiveAll2AllPrepareAndFinalize.wire_bytes, LowLatencyAll2AllPrepareAndFinalize.wire_bytes, SymmMemPrepareAndFinalize.wire_bytes):
         got = model(moe, c, W2["prereduced"], False)
-        assert got.dispatch == (0,) and got.combine == (0,), model.__name__
+        assert got.dispatch == (0,) and got.combine == (0,), model.__self__.__name__
 
 
 # ---- command line -------------------------------------------------------------------------------
@@ -130,7 +140,19 @@ def test_bad_arguments_name_the_field(argv, message, capsys):
 def test_every_registered_ep_pf_has_a_spec_and_a_byte_model():
     ep = [n for n in PREPARE_FINALIZE_BY_BACKEND if n != NO_EP_BACKEND]
     assert list(bep.PF_SPECS)[:len(ep)] == ep and bep.SLICE_ALLGATHER in bep.PF_SPECS
-    assert all(s.bytes_model is not None for s in bep.PF_SPECS.values())
+    counts = RouteCounts.from_owners(OWNERS)
+    for name, spec in bep.PF_SPECS.items():
+        moved = spec.bytes_model(moe_for(BF16), counts, None, False)
+        assert isinstance(moved, PhaseBytes) and len(moved.dispatch) == len(moved.combine) == 2, name
+        assert sum(moved.dispatch) > 0 and sum(moved.combine) > 0, name  # OWNERS sends across ranks both ways
+
+
+def test_vllm_all2all_names_come_from_the_pf_classes():
+    from moe_modular.integrations.vllm import VLLM_TO_MOE_MODULAR_ALL2ALL
+
+    assert dict(VLLM_TO_MOE_MODULAR_ALL2ALL) == {
+        "naive": "naive", "allgather_reducescatter": "allgather_reducescatter",
+        "deepep_high_throughput": "deepep_high_throughput", "deepep_low_latency": "deepep_low_latency"}
 
 
 # ---- the smoke run ---------------------------------------------------------------------------------
@@ -143,7 +165,7 @@ class CorruptOutputAllToAll(AllToAllPrepareAndFinalize):
         output.mul_(1.5)
 
 
-BROKEN = bep.PFSpec("corrupt_all_to_all", CorruptOutputAllToAll, bep.bytes_all_to_all, bep.make_wired, wired=True)
+BROKEN = bep.PFSpec("corrupt_all_to_all", CorruptOutputAllToAll, AllToAllPrepareAndFinalize.wire_bytes, bep.make_wired, wired=True)
 
 
 def _read(path):
@@ -215,7 +237,7 @@ def test_smoke_bytes_follow_the_routing(smoke):
         moe = bep.moe_config(cfg.problem, qc, 2, 0, T)
         _, ids = bep.make_routing(cfg.problem, 2, T, cfg.seed)
         owners = ExpertPlacementTables.build(moe, torch.device("cpu")).owner_of(ids).view(2, T, cfg.problem.topk)
-        want = bep.bytes_all_to_all(moe, bep.RouteCounts.from_owners(owners), COMBINE_WIRES["prereduced"], False)
+        want = AllToAllPrepareAndFinalize.wire_bytes(moe, RouteCounts.from_owners(owners), COMBINE_WIRES["prereduced"], False)
         assert int(r["dispatch_bytes"]) == max(want.dispatch) and int(r["combine_bytes"]) == max(want.combine)
 
 

@@ -57,13 +57,9 @@ from tools.benchmark_moe import write_csv
 from moe_modular.interfaces import ActivationFormat
 from moe_modular.prepare_finalize.all_to_all_prepare_and_finalize import AllToAllPrepareAndFinalize
 from moe_modular.prepare_finalize.combine_wire import COMBINE_WIRES, CombineWire, combine_wire
-from moe_modular.prepare_finalize.deepep_ht_prepare_and_finalize import DeepEPHTPrepareAndFinalize
-from moe_modular.prepare_finalize.deepep_ll_prepare_and_finalize import DeepEPLLPrepareAndFinalize
-from moe_modular.prepare_finalize.ep_common import ExpertPlacementTables, scale_width
-from moe_modular.prepare_finalize.low_latency_all2all_prepare_and_finalize import LowLatencyAll2AllPrepareAndFinalize
-from moe_modular.prepare_finalize.naive_all2all_prepare_and_finalize import NaiveAll2AllPrepareAndFinalize
+from moe_modular.prepare_finalize.ep_common import ExpertPlacementTables
 from moe_modular.prepare_finalize.slice_allgather_prepare_and_finalize import SliceAllGatherPrepareAndFinalize
-from moe_modular.prepare_finalize.symm_mem_prepare_and_finalize import SymmMemPrepareAndFinalize
+from moe_modular.prepare_finalize.wire_bytes import PhaseBytes, RouteCounts
 from moe_modular.quant import FP8_DTYPE, MoEQuantParams, QuantConfig, quantize_weights
 from moe_modular.registry import NO_EP_BACKEND, PREPARE_FINALIZE_BY_BACKEND
 
@@ -107,137 +103,6 @@ FLOAT32_BYTES = 4
 # ---- bytes moved ------------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class RouteCounts:
-    """Who sends what to whom under one routing. W ranks with T tokens each.
-
-    pairs[s][d]: tokens of rank s with at least one expert on rank d (token-level dispatch sends each
-    such token once). routes[s][d]: (token, expert) routes of rank s whose expert is on rank d.
-    """
-
-    world_size: int
-    tokens_per_rank: int
-    pairs: tuple[tuple[int, ...], ...]
-    routes: tuple[tuple[int, ...], ...]
-
-    @classmethod
-    def from_owners(cls, owner_WTk: torch.Tensor) -> "RouteCounts":
-        """owner_WTk (W, T, k) int: the rank holding each route's expert (-1: no expert)."""
-        W, T, _ = owner_WTk.shape
-        pairs, routes = [], []
-        for s in range(W):
-            hit_WTk = owner_WTk[s].unsqueeze(0) == torch.arange(W).view(W, 1, 1)
-            pairs.append(tuple(int(v) for v in hit_WTk.any(dim=2).sum(dim=1).tolist()))
-            routes.append(tuple(int(v) for v in hit_WTk.sum(dim=(1, 2)).tolist()))
-        return cls(W, T, tuple(pairs), tuple(routes))
-
-    def sent(self, table: tuple[tuple[int, ...], ...]) -> list[int]:
-        """Per rank s: sum over the other ranks d of table[s][d] (what s sends away)."""
-        return [sum(n for d, n in enumerate(table[s]) if d != s) for s in range(self.world_size)]
-
-    def returned(self, table: tuple[tuple[int, ...], ...]) -> list[int]:
-        """Per rank s: sum over the other ranks d of table[d][s] (what s sends back to the senders)."""
-        return [sum(table[d][s] for d in range(self.world_size) if d != s) for s in range(self.world_size)]
-
-
-@dataclass(frozen=True)
-class PhaseBytes:
-    """Bytes each rank sends to other ranks in the dispatch and in the combine, (W,) each."""
-
-    dispatch: tuple[int, ...]
-    combine: tuple[int, ...]
-
-    @classmethod
-    def of(cls, dispatch: Sequence[int], combine: Sequence[int]) -> "PhaseBytes":
-        return cls(tuple(int(v) for v in dispatch), tuple(int(v) for v in combine))
-
-
-def token_row_bytes(hidden: int, fp8: bool, dtype: torch.dtype, scale_elems: int) -> int:
-    """One dispatched token: hidden elements (1 byte in fp8, else dtype's size) + float32 scales."""
-    return hidden * (FP8_DTYPE.itemsize if fp8 else dtype.itemsize) + scale_elems * FLOAT32_BYTES
-
-
-def _our_row(moe: MoEConfig, fp8: bool) -> int:
-    """This project's PFs: K elements plus the scales that travel with the row (none for bf16)."""
-    return token_row_bytes(moe.hidden_dim, fp8, moe.dtype, scale_width(moe.quant, moe.hidden_dim) if fp8 else 0)
-
-
-def bytes_naive(moe: MoEConfig, c: RouteCounts, wire: Optional[CombineWire], experts_reduce: bool) -> PhaseBytes:
-    """Broadcasts + all-reduce: every rank receives the other W-1 ranks' T rows; the combine all-reduces
-    (W*T, K) float32 partial sums (a ring moves 2(W-1)/W of the buffer per rank)."""
-    W, T, K = c.world_size, c.tokens_per_rank, moe.hidden_dim
-    fp8 = moe.quant.is_quantized and NaiveAll2AllPrepareAndFinalize.quantizes_before_dispatch(moe.quant)
-    return PhaseBytes.of([(W - 1) * T * _our_row(moe, fp8)] * W, [2 * (W - 1) * T * K * FLOAT32_BYTES] * W)
-
-
-def bytes_allgather_reducescatter(moe: MoEConfig, c: RouteCounts, wire: Optional[CombineWire],
-                                  experts_reduce: bool) -> PhaseBytes:
-    """All-gather of T rows per rank; reduce-scatter of (W*T, K) float32 partials ((W-1)*T*K per rank)."""
-    W, T, K = c.world_size, c.tokens_per_rank, moe.hidden_dim
-    fp8 = moe.quant.is_quantized and NaiveAll2AllPrepareAndFinalize.quantizes_before_dispatch(moe.quant)
-    return PhaseBytes.of([(W - 1) * T * _our_row(moe, fp8)] * W, [(W - 1) * T * K * FLOAT32_BYTES] * W)
-
-
-def bytes_all_to_all(moe: MoEConfig, c: RouteCounts, wire: Optional[CombineWire], experts_reduce: bool) -> PhaseBytes:
-    """A token goes once to each other rank holding one of its experts. Combine by wire: per_route with
-    unreduced experts sends one row per route back (the experts' output dtype); per_route with experts
-    that reduce sends one row per (token, rank) in that dtype; prereduced one bf16 row per (token, rank);
-    prereduced_hilo two."""
-    K = moe.hidden_dim
-    fp8 = moe.quant.is_quantized and AllToAllPrepareAndFinalize.quantizes_before_dispatch(moe.quant)
-    dispatch = [n * _our_row(moe, fp8) for n in c.sent(c.pairs)]
-    if wire.per_route and not experts_reduce:
-        combine = [n * K * moe.dtype.itemsize for n in c.returned(c.routes)]
-    else:
-        elem = moe.dtype.itemsize if wire.per_route else torch.bfloat16.itemsize
-        combine = [n * wire.rows_per_entry * K * elem for n in c.returned(c.pairs)]
-    return PhaseBytes.of(dispatch, combine)
-
-
-def bytes_slice_allgather(moe: MoEConfig, c: RouteCounts, wire: Optional[CombineWire],
-                          experts_reduce: bool) -> PhaseBytes:
-    """The all-to-all of each rank's slice (T rows here), then an all-gather of the (T, K) output slices."""
-    inner = bytes_all_to_all(moe, c, wire, experts_reduce)
-    gather = (c.world_size - 1) * c.tokens_per_rank * moe.hidden_dim * moe.dtype.itemsize
-    return PhaseBytes.of(inner.dispatch, [n + gather for n in inner.combine])
-
-
-def bytes_low_latency(moe: MoEConfig, c: RouteCounts, wire: Optional[CombineWire], experts_reduce: bool) -> PhaseBytes:
-    """Fixed slots: El * Tm rows to every other rank, empty slots included, both ways (Tm = T here)."""
-    W, K, El, Tm = c.world_size, moe.hidden_dim, moe.num_local_experts, moe.max_num_tokens
-    fp8 = moe.quant.is_quantized and LowLatencyAll2AllPrepareAndFinalize.quantizes_before_dispatch(moe.quant)
-    return PhaseBytes.of([(W - 1) * El * Tm * _our_row(moe, fp8)] * W, [(W - 1) * El * Tm * K * moe.dtype.itemsize] * W)
-
-
-def bytes_symm_mem(moe: MoEConfig, c: RouteCounts, wire: Optional[CombineWire], experts_reduce: bool) -> PhaseBytes:
-    """One row per route to the expert's rank and one activation-dtype row per route back."""
-    K = moe.hidden_dim
-    return PhaseBytes.of([n * _our_row(moe, moe.quant.is_quantized) for n in c.sent(c.routes)],
-                         [n * K * moe.dtype.itemsize for n in c.returned(c.routes)])
-
-
-def bytes_deepep_ht(moe: MoEConfig, c: RouteCounts, wire: Optional[CombineWire], experts_reduce: bool) -> PhaseBytes:
-    """Token-level like the all-to-all, rows padded to Kp; fp8 (with group scales) only for group
-    schemes, else bf16; the combine sends one bf16 Kp row per (token, rank)."""
-    Kp = DeepEPHTPrepareAndFinalize.padded_hidden_size(moe)
-    fp8 = DeepEPHTPrepareAndFinalize.quantizes_before_dispatch(moe.quant)
-    row = token_row_bytes(Kp, fp8, ACTIVATION_DTYPE, scale_width(moe.quant, moe.hidden_dim) if fp8 else 0)
-    return PhaseBytes.of([n * row for n in c.sent(c.pairs)],
-                         [n * Kp * torch.bfloat16.itemsize for n in c.returned(c.pairs)])
-
-
-def bytes_deepep_ll(moe: MoEConfig, c: RouteCounts, wire: Optional[CombineWire], experts_reduce: bool) -> PhaseBytes:
-    """One message per route at the kernel hidden Kl: fp8 with Kl/128 scales for 1x128 group schemes,
-    else bf16; one bf16 Kl row per route back."""
-    from all2all.deepep import LL_SCALE_GROUP, ll_hidden_size
-
-    Kl = ll_hidden_size(moe.hidden_dim)
-    fp8 = DeepEPLLPrepareAndFinalize.dispatches_fp8(moe.quant)
-    row = token_row_bytes(Kl, fp8, ACTIVATION_DTYPE, Kl // LL_SCALE_GROUP if fp8 else 0)
-    return PhaseBytes.of([n * row for n in c.sent(c.routes)],
-                         [n * Kl * torch.bfloat16.itemsize for n in c.returned(c.routes)])
-
-
 ByteModel = Callable[[MoEConfig, RouteCounts, Optional[CombineWire], bool], PhaseBytes]
 
 # ---- the PFs ------------------------------------------------------------------------------------
@@ -277,31 +142,21 @@ class PFSpec:
         return tuple(wires) if self.wired else (NO_WIRE,)
 
 
-# PF class -> (byte model, builder, wired). A registered EP PF missing here is still listed, as SKIP.
-_PF_MODELS: Mapping[type, tuple[ByteModel, Callable[..., Any], bool]] = MappingProxyType({
-    NaiveAll2AllPrepareAndFinalize: (bytes_naive, make_plain, False),
-    AllToAllPrepareAndFinalize: (bytes_all_to_all, make_wired, True),
-    LowLatencyAll2AllPrepareAndFinalize: (bytes_low_latency, make_plain, False),
-    DeepEPHTPrepareAndFinalize: (bytes_deepep_ht, make_plain, False),
-    DeepEPLLPrepareAndFinalize: (bytes_deepep_ll, make_plain, False),
-    SymmMemPrepareAndFinalize: (bytes_symm_mem, make_plain, False),
-})
-_PF_MODELS_BY_NAME: Mapping[str, ByteModel] = MappingProxyType({
-    "allgather_reducescatter": bytes_allgather_reducescatter,
-})
 SLICE_ALLGATHER = "slice_allgather"
 
 
 def registered_specs() -> dict[str, PFSpec]:
-    """Every EP PF of the registry (by backend name), then slice + all-gather over the all-to-all."""
+    """Every EP PF of the registry (by backend name), then slice + all-gather over the all-to-all. Each PF's
+    class gives its byte model (wire_bytes) and its combine wires."""
     specs: dict[str, PFSpec] = {}
     for name, cls in PREPARE_FINALIZE_BY_BACKEND.items():
         if name == NO_EP_BACKEND:
             continue
-        model, build, wired = _PF_MODELS.get(cls, (None, make_plain, False))
-        specs[name] = PFSpec(name, cls, _PF_MODELS_BY_NAME.get(name, model), build, wired)
-    specs[SLICE_ALLGATHER] = PFSpec(SLICE_ALLGATHER, SliceAllGatherPrepareAndFinalize, bytes_slice_allgather,
-                                    make_slice, wired=True, replicated=True)
+        wired = bool(cls.combine_wires())
+        specs[name] = PFSpec(name, cls, cls.wire_bytes, make_wired if wired else make_plain, wired)
+    specs[SLICE_ALLGATHER] = PFSpec(SLICE_ALLGATHER, SliceAllGatherPrepareAndFinalize,
+                                    SliceAllGatherPrepareAndFinalize.wire_bytes, make_slice, wired=True,
+                                    replicated=True)
     return specs
 
 

@@ -67,13 +67,12 @@ SUPPORTED_VLLM_SERIES: tuple[tuple[int, int], ...] = ((0, 32), (0, 33), (0, 34))
 TESTED_VLLM_VERSIONS: tuple[str, ...] = ("0.32.0",)
 SOURCE_CHECKED_VLLM_VERSIONS: tuple[str, ...] = ("0.33.0", "0.34.0")
 
-# vLLM --all2all-backend name -> moe-modular all2all backend name. vLLM names without an entry
-# (deepep_v2, mori_*, moonep, nixl_ep, flashinfer_*, passthrough) have no moe-modular counterpart.
+# vLLM --all2all-backend name -> moe-modular all2all backend name, from each registered PF's
+# vllm_all2all_backend(). vLLM names without an entry (deepep_v2, mori_*, moonep, nixl_ep, flashinfer_*,
+# passthrough) have no moe-modular counterpart.
 VLLM_TO_MOE_MODULAR_ALL2ALL: "MappingProxyType[str, str]" = MappingProxyType({
-    "naive": "naive",
-    "allgather_reducescatter": "allgather_reducescatter",
-    "deepep_high_throughput": "deepep_high_throughput",
-    "deepep_low_latency": "deepep_low_latency",
+    cls.vllm_all2all_backend(): backend for backend, cls in registry.PREPARE_FINALIZE_BY_BACKEND.items()
+    if cls.vllm_all2all_backend() is not None
 })
 
 # vLLM MoEActivation value -> moe-modular Activation (gated activations with the same formula).

@@ -18,7 +18,7 @@ from moe_modular.interfaces import (
     ExpertTokensMetadata,
     PrepareResult,
 )
-from moe_modular.prepare_finalize.combine_wire import CombineWire, combine_wire, default_combine_wire
+from moe_modular.prepare_finalize.combine_wire import COMBINE_WIRES, CombineWire, combine_wire, default_combine_wire
 from moe_modular.prepare_finalize.common import apply_weight_on_input, buffer_tag, check_micro_batch, finalize_handle
 from moe_modular.prepare_finalize.ep_common import (
     ExpertPlacementTables,
@@ -30,6 +30,7 @@ from moe_modular.prepare_finalize.ep_common import (
     token_row_format,
 )
 from moe_modular.prepare_finalize.ep_prepare_and_finalize import EPPrepareAndFinalize
+from moe_modular.prepare_finalize.wire_bytes import PhaseBytes, RouteCounts, activation_row_bytes
 from moe_modular.profiler_scope import phase
 from moe_modular.quant import MoEQuantParams, QuantConfig
 from moe_modular.weight_and_reduce import (
@@ -98,6 +99,28 @@ class AllToAllPrepareAndFinalize(EPPrepareAndFinalize):
     def quantizes_before_dispatch(cls, quant: QuantConfig) -> bool:
         """True for every scheme (the dynamic per-tensor scale is made global first)."""
         return True
+
+    @classmethod
+    def combine_wires(cls) -> tuple[str, ...]:
+        return tuple(COMBINE_WIRES)
+
+    @classmethod
+    def wire_bytes(cls, moe: MoEConfig, counts: RouteCounts, wire: Optional[CombineWire],
+                   experts_reduce: bool) -> PhaseBytes:
+        """A token goes once to each other rank holding one of its experts. Combine by wire (the default wire
+        of moe.dtype when None): per_route with unreduced experts sends one row per route back (the experts'
+        output dtype); per_route with experts that reduce sends one row per (token, rank) in that dtype;
+        prereduced one bf16 row per (token, rank); prereduced_hilo two."""
+        wire = wire if wire is not None else default_combine_wire(moe.dtype)
+        K = moe.hidden_dim
+        row = activation_row_bytes(moe, moe.quant.is_quantized and cls.quantizes_before_dispatch(moe.quant))
+        dispatch = [n * row for n in counts.sent(counts.pairs)]
+        if wire.per_route and not experts_reduce:
+            combine = [n * K * moe.dtype.itemsize for n in counts.returned(counts.routes)]
+        else:
+            elem = moe.dtype.itemsize if wire.per_route else torch.bfloat16.itemsize
+            combine = [n * wire.rows_per_entry * K * elem for n in counts.returned(counts.pairs)]
+        return PhaseBytes.of(dispatch, combine)
 
     @classmethod
     def make(cls, moe: MoEConfig, context=None, combine_wire: Optional[str] = None) -> "AllToAllPrepareAndFinalize":

@@ -35,8 +35,10 @@ from moe_modular.prepare_finalize.ep_common import (
     ExpertPlacementTables,
     masked_weights,
     quantize_for_dispatch,
+    scale_width,
 )
 from moe_modular.prepare_finalize.ep_prepare_and_finalize import EPPrepareAndFinalize
+from moe_modular.prepare_finalize.wire_bytes import PhaseBytes, RouteCounts, token_row_bytes
 from moe_modular.profiler_scope import phase
 from moe_modular.quant import FP8_DTYPE, ActivationQuant, MoEQuantParams, QuantConfig, quantize_activations
 from moe_modular.weight_and_reduce import (
@@ -110,6 +112,20 @@ class DeepEPHTPrepareAndFinalize(EPPrepareAndFinalize):
     @classmethod
     def supports(cls, moe: MoEConfig) -> tuple[bool, str]:
         return deepep_supports(moe, cls.check_config)
+
+    @classmethod
+    def wire_bytes(cls, moe: MoEConfig, counts: RouteCounts, wire, experts_reduce: bool) -> PhaseBytes:
+        """Token-level like the all-to-all, rows padded to Kp; fp8 (with group scales) only for group
+        schemes, else bf16; the combine sends one bf16 Kp row per (token, rank)."""
+        Kp = cls.padded_hidden_size(moe)
+        fp8 = cls.quantizes_before_dispatch(moe.quant)
+        row = token_row_bytes(Kp, fp8, HT_COMBINE_DTYPE, scale_width(moe.quant, moe.hidden_dim) if fp8 else 0)
+        return PhaseBytes.of([n * row for n in counts.sent(counts.pairs)],
+                             [n * Kp * HT_COMBINE_DTYPE.itemsize for n in counts.returned(counts.pairs)])
+
+    @classmethod
+    def vllm_all2all_backend(cls) -> Optional[str]:
+        return "deepep_high_throughput"
 
     @classmethod
     def activation_format(cls) -> ActivationFormat:

@@ -38,6 +38,7 @@ from moe_modular.prepare_finalize.deepep_common import (
 )
 from moe_modular.prepare_finalize.ep_common import ExpertPlacementTables, quantize_for_dispatch
 from moe_modular.prepare_finalize.ep_prepare_and_finalize import EPPrepareAndFinalize
+from moe_modular.prepare_finalize.wire_bytes import PhaseBytes, RouteCounts, token_row_bytes
 from moe_modular.profiler_scope import phase
 from moe_modular.quant import ActivationQuant, MoEQuantParams, QuantConfig
 from moe_modular.weight_and_reduce import (
@@ -119,6 +120,20 @@ class DeepEPLLPrepareAndFinalize(EPPrepareAndFinalize):
         if ok and not cls.dispatches_fp8(moe.quant) and not ll_dispatch_has_use_fp8():
             return False, f"{_NO_BF16_DISPATCH} (scheme {moe.quant.name})"
         return ok, reason
+
+    @classmethod
+    def wire_bytes(cls, moe: MoEConfig, counts: RouteCounts, wire, experts_reduce: bool) -> PhaseBytes:
+        """One message per route at the kernel hidden Kl: fp8 with Kl/128 scales for 1x128 group schemes,
+        else bf16; one bf16 Kl row per route back."""
+        Kl = ll_hidden_size(moe.hidden_dim)
+        fp8 = cls.dispatches_fp8(moe.quant)
+        row = token_row_bytes(Kl, fp8, LL_DTYPE, Kl // LL_SCALE_GROUP if fp8 else 0)
+        return PhaseBytes.of([n * row for n in counts.sent(counts.routes)],
+                             [n * Kl * LL_DTYPE.itemsize for n in counts.returned(counts.routes)])
+
+    @classmethod
+    def vllm_all2all_backend(cls) -> Optional[str]:
+        return "deepep_low_latency"
 
     @classmethod
     def activation_format(cls) -> ActivationFormat:

@@ -27,6 +27,7 @@ from moe_modular.prepare_finalize.ep_common import (
     token_row_format,
 )
 from moe_modular.prepare_finalize.ep_prepare_and_finalize import EPPrepareAndFinalize
+from moe_modular.prepare_finalize.wire_bytes import PhaseBytes, RouteCounts, activation_row_bytes
 from moe_modular.profiler_scope import phase
 from moe_modular.quant import MoEQuantParams, QuantConfig
 from moe_modular.weight_and_reduce import TopKWeightAndReduceNaiveBatched, resolve_weight_and_reduce
@@ -83,6 +84,13 @@ class LowLatencyAll2AllPrepareAndFinalize(EPPrepareAndFinalize):
     def quantizes_before_dispatch(cls, quant: QuantConfig) -> bool:
         """True for every scheme (the dynamic per-tensor scale is made global first)."""
         return True
+
+    @classmethod
+    def wire_bytes(cls, moe: MoEConfig, counts: RouteCounts, wire, experts_reduce: bool) -> PhaseBytes:
+        """Fixed slots: El * Tm rows to every other rank, empty slots included, both ways."""
+        W, K, El, Tm = counts.world_size, moe.hidden_dim, moe.num_local_experts, moe.max_num_tokens
+        row = activation_row_bytes(moe, moe.quant.is_quantized and cls.quantizes_before_dispatch(moe.quant))
+        return PhaseBytes.of([(W - 1) * El * Tm * row] * W, [(W - 1) * El * Tm * K * moe.dtype.itemsize] * W)
 
     @classmethod
     def activation_format(cls) -> ActivationFormat:

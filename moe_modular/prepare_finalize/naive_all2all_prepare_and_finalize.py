@@ -27,6 +27,7 @@ from moe_modular.prepare_finalize.ep_common import (
     token_row_format,
 )
 from moe_modular.prepare_finalize.ep_prepare_and_finalize import EPPrepareAndFinalize
+from moe_modular.prepare_finalize.wire_bytes import FLOAT32_BYTES, PhaseBytes, RouteCounts, activation_row_bytes
 from moe_modular.profiler_scope import phase
 from moe_modular.quant import FP8_DTYPE, ActivationQuant, MoEQuantParams, QuantConfig, quantize_activations
 from moe_modular.weight_and_reduce import (
@@ -84,6 +85,18 @@ class NaiveAll2AllPrepareAndFinalize(EPPrepareAndFinalize):
         """False only for a dynamic per-tensor scale (computed after the gather, over all tokens)."""
         return not (quant.is_quantized and quant.activation is ActivationQuant.PER_TENSOR
                     and not quant.static_activation_scale)
+
+    @classmethod
+    def wire_bytes(cls, moe: MoEConfig, counts: RouteCounts, wire, experts_reduce: bool) -> PhaseBytes:
+        """Broadcasts + all-reduce: every rank receives the other W-1 ranks' T rows; the combine all-reduces
+        (W*T, K) float32 partial sums (a ring moves 2(W-1)/W of the buffer per rank)."""
+        W, T, K = counts.world_size, counts.tokens_per_rank, moe.hidden_dim
+        row = activation_row_bytes(moe, moe.quant.is_quantized and cls.quantizes_before_dispatch(moe.quant))
+        return PhaseBytes.of([(W - 1) * T * row] * W, [2 * (W - 1) * T * K * FLOAT32_BYTES] * W)
+
+    @classmethod
+    def vllm_all2all_backend(cls) -> Optional[str]:
+        return "naive"
 
     @classmethod
     def activation_format(cls) -> ActivationFormat:

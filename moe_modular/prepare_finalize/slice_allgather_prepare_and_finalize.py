@@ -18,6 +18,7 @@ from moe_modular.interfaces import ActivationFormat, FusedMoEPrepareAndFinalizeM
 from moe_modular.prepare_finalize.all_to_all_prepare_and_finalize import AllToAllPrepareAndFinalize
 from moe_modular.prepare_finalize.common import finalize_handle
 from moe_modular.prepare_finalize.ep_common import check_context
+from moe_modular.prepare_finalize.wire_bytes import PhaseBytes, RouteCounts
 from moe_modular.quant import MoEQuantParams, QuantConfig
 
 
@@ -64,6 +65,19 @@ class SliceAllGatherPrepareAndFinalize(FusedMoEPrepareAndFinalizeModular):
     @classmethod
     def quantizes_before_dispatch(cls, quant: QuantConfig) -> bool:
         return AllToAllPrepareAndFinalize.quantizes_before_dispatch(quant)
+
+    @classmethod
+    def combine_wires(cls) -> tuple[str, ...]:
+        """The default inner PF's (make_with_wire builds it with one)."""
+        return AllToAllPrepareAndFinalize.combine_wires()
+
+    @classmethod
+    def wire_bytes(cls, moe: MoEConfig, counts: RouteCounts, wire, experts_reduce: bool) -> PhaseBytes:
+        """The default inner PF's exchange of each rank's slice (T rows here), then an all-gather of the (T, K)
+        output slices."""
+        inner = AllToAllPrepareAndFinalize.wire_bytes(moe, counts, wire, experts_reduce)
+        gather = (counts.world_size - 1) * counts.tokens_per_rank * moe.hidden_dim * moe.dtype.itemsize
+        return PhaseBytes.of(inner.dispatch, [n + gather for n in inner.combine])
 
     @classmethod
     def slice_moe(cls, moe: MoEConfig) -> MoEConfig:

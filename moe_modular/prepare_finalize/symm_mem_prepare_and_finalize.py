@@ -34,6 +34,7 @@ from moe_modular.prepare_finalize.ep_common import (
     scale_width,
 )
 from moe_modular.prepare_finalize.ep_prepare_and_finalize import EPPrepareAndFinalize
+from moe_modular.prepare_finalize.wire_bytes import PhaseBytes, RouteCounts, activation_row_bytes
 from moe_modular.profiler_scope import phase
 from moe_modular.quant import MoEQuantParams, QuantConfig
 from moe_modular.weight_and_reduce import (
@@ -119,6 +120,13 @@ class SymmMemPrepareAndFinalize(EPPrepareAndFinalize):
         """The rank count and expert limits first (a single rank is refused), then CUDA and NVSHMEM."""
         reason = cls.check_config(moe) or runtime_unavailable_reason()
         return reason is None, reason or ""
+
+    @classmethod
+    def wire_bytes(cls, moe: MoEConfig, counts: RouteCounts, wire, experts_reduce: bool) -> PhaseBytes:
+        """One row per route to the expert's rank and one activation-dtype row per route back."""
+        row = activation_row_bytes(moe, moe.quant.is_quantized)
+        return PhaseBytes.of([n * row for n in counts.sent(counts.routes)],
+                             [n * moe.hidden_dim * moe.dtype.itemsize for n in counts.returned(counts.routes)])
 
     @classmethod
     def activation_format(cls) -> ActivationFormat:
