@@ -235,9 +235,9 @@ def test_tune_space_is_pruned():
     assert not any(t[-1] for t in tune_moe.candidates("small", 2, 1024.0, None, None, 0, (0,), (0,), (0, 1)))
 
 
-# ---- tools/ab_tiles.py --------------------------------------------------------------------------
+# ---- tools/experiments/ab_tiles.py --------------------------------------------------------------------------
 def test_ab_tiles_smoke_times_base_and_variant_side_by_side(tmp_path):
-    from tools import ab_tiles
+    from tools.experiments import ab_tiles
 
     if torch.cuda.is_available():
         pytest.skip("the smoke A/B runs the CPU interpreter")
@@ -263,7 +263,7 @@ BAD_OVERRIDES = [
 
 @pytest.mark.parametrize("token,message", BAD_OVERRIDES, ids=[t for t, _ in BAD_OVERRIDES])
 def test_ab_tiles_rejects_bad_overrides(token, message):
-    from tools import ab_tiles
+    from tools.experiments import ab_tiles
 
     with pytest.raises(ValueError, match=message):
         ab_tiles.parse_override(token)
@@ -272,7 +272,7 @@ def test_ab_tiles_rejects_bad_overrides(token, message):
 def test_ab_tiles_overrides_apply_per_gemm_and_are_validated():
     from moe_modular.kernels.moe_gemm import GemmTile
     from moe_modular.tile_config import TileConfig
-    from tools import ab_tiles
+    from tools.experiments import ab_tiles
 
     base = TileConfig(GemmTile(64, 128, 64, 8, 4, 3), GemmTile(64, 64, 128, 1, 4, 3))
     both = ab_tiles.apply_overrides(base, [ab_tiles.parse_override("b_tma=1"),
@@ -283,7 +283,7 @@ def test_ab_tiles_overrides_apply_per_gemm_and_are_validated():
 
 
 def test_ab_tiles_reports_a_variant_that_cannot_run_and_keeps_timing_the_others():
-    from tools import ab_tiles
+    from tools.experiments import ab_tiles
 
     calls = []
 
@@ -300,7 +300,7 @@ def test_ab_tiles_reports_a_variant_that_cannot_run_and_keeps_timing_the_others(
 
 
 def test_variant_times_us_converts_prints_and_flags_failures(capsys):
-    from tools import ab_tiles
+    from tools.experiments import ab_tiles
 
     us, failed = ab_tiles.variant_times_us({"this": (12.5e-6, ""), "baseline": (25e-6, "")}, "qwen3 M=8 alignment")
     assert us == {"this": pytest.approx(12.5), "baseline": pytest.approx(25.0)} and not failed
@@ -310,9 +310,9 @@ def test_variant_times_us_converts_prints_and_flags_failures(capsys):
     assert "c broken: failed: RuntimeError: no" in capsys.readouterr().out
 
 
-# ---- tools/routing_cost.py ------------------------------------------------------------------
+# ---- tools/experiments/routing_cost.py ------------------------------------------------------------------
 def test_routing_cost_balanced_ids_give_every_expert_the_same_routes():
-    from tools import routing_cost
+    from tools.experiments import routing_cost
 
     ids = routing_cost.balanced_ids(48, 4, 16, torch.device("cpu"))
     assert ids.shape == (48, 4) and ids.dtype == torch.int32
@@ -325,7 +325,7 @@ def test_routing_cost_balanced_ids_give_every_expert_the_same_routes():
 
 
 def test_routing_cost_counts_padded_rows_per_expert():
-    from tools import routing_cost
+    from tools.experiments import routing_cost
 
     # expert 0: 3 routes, expert 1: 17, expert 2: none, expert 3: 16 -> 16 + 32 + 0 + 16 rows of 16-row blocks
     ids = torch.tensor([0] * 3 + [1] * 17 + [3] * 16)[torch.randperm(36)].view(12, 3)
@@ -334,7 +334,7 @@ def test_routing_cost_counts_padded_rows_per_expert():
 
 
 def test_routing_cost_smoke_times_both_routings_and_bmm(tmp_path):
-    from tools import routing_cost
+    from tools.experiments import routing_cost
 
     assert routing_cost.main(["--smoke", "--shapes", "tiny-e16", "-m", "16", "--out", str(tmp_path)]) == 0
     with open(tmp_path / "routing_cost.csv") as f:
@@ -354,7 +354,7 @@ def test_routing_cost_smoke_times_both_routings_and_bmm(tmp_path):
 
 
 def test_l2_read_checks_that_every_program_read_its_blocks(monkeypatch):
-    from tools import l2_read
+    from tools.experiments import l2_read
 
     timer = bm.Timer(torch.device("cpu"), rep_ms=1.0, min_reps=1, max_reps=2)
     assert l2_read.l2_read_Bps(timer, smoke=True) > 0
@@ -369,18 +369,18 @@ def test_l2_read_checks_that_every_program_read_its_blocks(monkeypatch):
 
 
 def test_routing_cost_rejects_an_m_that_cannot_be_balanced(capsys):
-    from tools import routing_cost
+    from tools.experiments import routing_cost
 
     with pytest.raises(SystemExit):
         routing_cost.parse_args(["--smoke", "--shapes", "tiny", "-m", "3"])
     assert "-m (3): M * topk (2) must be a positive multiple of E (8) for shape tiny" in capsys.readouterr().err
 
 
-# ---- tools/align_time.py --------------------------------------------------------------------
+# ---- tools/experiments/align_time.py --------------------------------------------------------------------
 def test_align_time_smoke_checks_and_times_this_tree_against_a_baseline(tmp_path, capsys):
-    from tools import align_time
+    from tools.experiments import align_time
 
-    baseline = os.path.join(os.path.dirname(align_time.__file__), "..", "moe_modular", "kernels", "moe_align.py")
+    baseline = os.path.join(os.path.dirname(align_time.__file__), "..", "..", "moe_modular", "kernels", "moe_align.py")
     assert align_time.main(["--smoke", "--shapes", "tiny-e16", "-m", "1", "40", "--baseline", baseline, "--forward",
                             "--out", str(tmp_path)]) == 0
     assert "| tiny-e16 | 40 | 160 |" in capsys.readouterr().out
@@ -396,7 +396,7 @@ def test_align_time_smoke_checks_and_times_this_tree_against_a_baseline(tmp_path
 def test_align_time_forward_uses_the_version_under_test_and_restores_the_shipped_one():
     from moe_modular.experts import triton_experts
     from moe_modular.kernels import moe_align as align_module
-    from tools import align_time
+    from tools.experiments import align_time
 
     calls = []
 
@@ -418,7 +418,7 @@ def test_align_time_forward_uses_the_version_under_test_and_restores_the_shipped
 
 def test_align_time_check_refuses_a_version_that_differs_from_the_oracle():
     from moe_modular.kernels import moe_align as align_module
-    from tools import align_time
+    from tools.experiments import align_time
 
     ids = torch.randint(0, 16, (40, 4), dtype=torch.int32, device="cuda" if torch.cuda.is_available() else "cpu")
     align_time.check(align_module, ids, 16, 16, "this")
@@ -435,7 +435,7 @@ def test_align_time_check_refuses_a_version_that_differs_from_the_oracle():
 
 
 def test_align_time_rejects_a_missing_baseline(capsys, tmp_path):
-    from tools import align_time
+    from tools.experiments import align_time
 
     with pytest.raises(SystemExit):
         align_time.parse_args(["--smoke", "--baseline", str(tmp_path / "nope.py")])

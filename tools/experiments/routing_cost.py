@@ -1,8 +1,8 @@
 """What the routing costs a cell: TritonExperts on tools/benchmark_moe's random routing against the same M on
 balanced routing, and cuBLAS on the balanced rows, side by side in one process.
 
-    python -m tools.routing_cost --shapes mixtral qwen3 deepseek-v3 -m 1024 4096 16384
-    python -m tools.routing_cost --smoke --out OUT        # tiny shape, the CPU interpreter
+    python -m tools.experiments.routing_cost --shapes mixtral qwen3 deepseek-v3 -m 1024 4096 16384
+    python -m tools.experiments.routing_cost --smoke --out OUT        # tiny shape, the CPU interpreter
 
 Balanced routing: token t's j-th route goes to expert (t * k + j) mod E, so every expert gets exactly
 M * k / E routes (M * k must be a multiple of E), and where that is a multiple of BLOCK_M no block holds
@@ -14,7 +14,7 @@ padding. Per cell, bf16, the shipped tiles:
   (N, K): the same useful flops with no padding, token gather, activation or top-k sum.
 The three alternate for --rounds rounds, each keeping its best. TFLOP/s count useful work (2 * M * k * 3 * N * K);
 "of rate" divides by the bf16 matmul rate measured at the start (8192^3 torch.mm); the L2 read bandwidth
-(tools/l2_read.py) is measured there too, for what a tile can be fed from L2. Prints a table last and writes
+(tools/experiments/l2_read.py) is measured there too, for what a tile can be fed from L2. Prints a table last and writes
 OUT/routing_cost.csv.
 """
 from __future__ import annotations
@@ -25,7 +25,7 @@ import sys
 
 import torch
 
-from tools.ab_tiles import time_variants, variant_times_us
+from tools.experiments.ab_tiles import time_variants, variant_times_us
 from tools.benchmark_moe import (
     QUANTS,
     InputSet,
@@ -143,7 +143,7 @@ def main(argv=None) -> int:
     args, shapes = parse_args(argv)
     device, timer, shipped, dev_key = trial_context(args)
     qc = QUANTS["bf16"]
-    from tools.l2_read import l2_read_Bps
+    from tools.experiments.l2_read import l2_read_Bps
 
     ceil = measure_ceilings(timer, args.smoke)
     l2 = l2_read_Bps(timer, args.smoke)
@@ -194,7 +194,7 @@ def main(argv=None) -> int:
         if device.type == "cuda":
             torch.cuda.empty_cache()
     write_csv(os.path.join(args.out, "routing_cost.csv"), rows, CSV_FIELDS)
-    print(f"L2 read {l2 / 1e12:.2f} TB/s (tools/l2_read.py)")
+    print(f"L2 read {l2 / 1e12:.2f} TB/s (tools/experiments/l2_read.py)")
     print(f"bf16 matmul rate {ceil['bf16_flops'] / 1e12:.1f} TFLOP/s ({ceil['matmul_n']}^3 torch.mm)")
     print(table(rows))
     return 1 if failed else 0

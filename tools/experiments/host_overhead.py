@@ -1,9 +1,9 @@
 """Host time of one eager forward: where the microseconds between the caller and the GPU go.
 
-    python -m tools.host_overhead --shapes qwen3 mixtral -m 1 8 64 1024
-    python -m tools.host_overhead --shapes qwen3 -m 1 --cprofile 20      # plus the top functions
-    python -m tools.host_overhead --launch triton direct                 # both launch paths, side by side
-    python -m tools.host_overhead --smoke --out OUT                      # tiny shape, the CPU interpreter
+    python -m tools.experiments.host_overhead --shapes qwen3 mixtral -m 1 8 64 1024
+    python -m tools.experiments.host_overhead --shapes qwen3 -m 1 --cprofile 20      # plus the top functions
+    python -m tools.experiments.host_overhead --launch triton direct                 # both launch paths, side by side
+    python -m tools.experiments.host_overhead --smoke --out OUT                      # tiny shape, the CPU interpreter
 
 Per cell, FusedMoEModularKernel(MoEPrepareAndFinalizeNoEP, TritonExperts) with the shipped tiles, the inputs
 of tools/benchmark_moe:

@@ -1,8 +1,8 @@
 """Side-by-side timing of tile variants of TritonExperts in one process: an A/B for kernel options.
 
-    python -m tools.ab_tiles --shapes mixtral qwen3 -m 1024 16384 --variant b_tma=1
-    python -m tools.ab_tiles --shapes deepseek-v3 -m 4096 --variant gemm2.num_stages=3 --variant b_tma=1 GROUP_M=16
-    python -m tools.ab_tiles --smoke --out OUT                  # tiny shape, the CPU interpreter
+    python -m tools.experiments.ab_tiles --shapes mixtral qwen3 -m 1024 16384 --variant b_tma=1
+    python -m tools.experiments.ab_tiles --shapes deepseek-v3 -m 4096 --variant gemm2.num_stages=3 --variant b_tma=1 GROUP_M=16
+    python -m tools.experiments.ab_tiles --smoke --out OUT                  # tiny shape, the CPU interpreter
 
 For each shape, scheme and M: the tiles TritonExperts picks today ("base": the shipped table's entry,
 or the default heuristic) and each --variant (FIELD=VALUE overrides of base, space-separated; a bare

@@ -1,10 +1,10 @@
 """GPU time of moe_align (token-to-expert alignment) on tools/benchmark_moe's random routing, optionally side
 by side with another version of the kernel file.
 
-    python -m tools.align_time --shapes mixtral qwen3 deepseek-v3 -m 8 64 256 1024 4096 16384
-    python -m tools.align_time --baseline OLD/moe_modular/kernels/moe_align.py     # this tree's against OLD's
-    python -m tools.align_time --baseline OLD/.../moe_align.py --forward  # and the whole forward with each
-    python -m tools.align_time --smoke --out OUT        # tiny shapes, the CPU interpreter
+    python -m tools.experiments.align_time --shapes mixtral qwen3 deepseek-v3 -m 8 64 256 1024 4096 16384
+    python -m tools.experiments.align_time --baseline OLD/moe_modular/kernels/moe_align.py     # this tree's against OLD's
+    python -m tools.experiments.align_time --baseline OLD/.../moe_align.py --forward  # and the whole forward with each
+    python -m tools.experiments.align_time --smoke --out OUT        # tiny shapes, the CPU interpreter
 
 Per cell: the routes of M tokens (top-k of a softmax over random logits, as the benchmark draws them) and BLOCK_M
 from the shipped tile tables (the one TritonExperts would use for that M, or --block-m). Every version is first
@@ -27,7 +27,7 @@ import sys
 
 import torch
 
-from tools.ab_tiles import time_variants, variant_times_us
+from tools.experiments.ab_tiles import time_variants, variant_times_us
 from tools.benchmark_moe import (
     QUANTS,
     capture_graph,
