@@ -1,7 +1,7 @@
 """The modular-kernel interfaces (names follow vLLM's fused-MoE modular kernel).
 
 Shape legend:
-  T  tokens on this rank (M)        K  hidden size            N2 w1 rows (= 2 * intermediate N)
+  T  tokens on this rank (M)        K  hidden size            N  intermediate size     N2 = 2N w1 rows
   k  topk                           E  global experts         El local experts
   B  max tokens per expert in the batched format
 Dtypes: activations bf16/fp16/fp32 (or fp8 e4m3 once quantized), topk_weights float32,
@@ -270,7 +270,7 @@ class FusedMoEExpertsModular(ABC):
     def workspace_shapes(
         self,
         M: int,
-        N: int,
+        N2: int,
         K: int,
         topk: int,
         global_num_experts: int,
@@ -279,7 +279,7 @@ class FusedMoEExpertsModular(ABC):
     ) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...], torch.dtype]:
         """(workspace13 shape, workspace2 shape, output shape, workspace dtype).
 
-        M: tokens in a1q (Standard) or B (BatchedExperts); N: w1.size(1) (2 * intermediate);
+        M: tokens in a1q (Standard) or B (BatchedExperts); N2: w1.size(1) (2N, N the intermediate size);
         K: hidden size. The output shape is what `apply` writes and finalize reads."""
 
     @abstractmethod

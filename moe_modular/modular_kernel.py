@@ -14,6 +14,7 @@ import torch
 from moe_modular.checks import check_expert_map, check_routing, check_routing_values
 from moe_modular.config import Activation
 from moe_modular.interfaces import (
+    MICRO_BATCHES,
     ActivationFormat,
     FusedMoEExpertsModular,
     FusedMoEPrepareAndFinalizeModular,
@@ -118,72 +119,52 @@ class FusedMoEModularKernel(torch.nn.Module):
         apply_router_weight_on_input: bool = False,
         inplace: bool = False,
         output: Optional[torch.Tensor] = None,
+        micro_batches: int = 1,
     ):
         """hidden_states (T, K) activation dtype; w1 (El, N2, K), w2 (El, K, N2/2) (fp8 when quantized,
         scales in fused_experts.quant); topk_weights (T, k) float32; topk_ids (T, k) int global ids;
         expert_map (E,) int32 global -> local or -1; output: optional (T, K) buffer to write
         (else hidden_states when inplace, else a new tensor). Returns the (T, K) output, or
-        (shared_output, output) when shared experts are set."""
-        call = self._begin(hidden_states, w1, w2, topk_weights, topk_ids, activation, global_num_experts, expert_map,
-                           apply_router_weight_on_input, inplace, output)
-        pf = self.prepare_finalize
-        shared_output = None
-        with phase("prepare"):
-            if self.shared_experts is not None and pf.has_prepare_no_receive():
-                receiver = call.start(0, call.rows(0, 1))
-                with phase("shared_experts"):
-                    shared_output = self.shared_experts(hidden_states)
-                prepared = receiver()
-            else:
-                prepared = call.prepare(0, call.rows(0, 1))
-        if self.shared_experts is not None and shared_output is None:
-            with phase("shared_experts"):
-                shared_output = self.shared_experts(hidden_states)
-        self._experts_and_finalize(call, call.rows(0, 1), prepared, self.workspaces)
-        if self.shared_experts is not None:
-            return shared_output, call.output
-        return call.output
+        (shared_output, output) when shared experts are set.
 
-    def forward_two_micro_batches(
-        self,
-        hidden_states: torch.Tensor,
-        w1: torch.Tensor,
-        w2: torch.Tensor,
-        topk_weights: torch.Tensor,
-        topk_ids: torch.Tensor,
-        activation: Activation = Activation.SILU,
-        global_num_experts: int = -1,
-        expert_map: Optional[torch.Tensor] = None,
-        apply_router_weight_on_input: bool = False,
-        inplace: bool = False,
-        output: Optional[torch.Tensor] = None,
-    ):
-        """forward's arguments and result, computed as two micro-batches whose communication overlaps the other's
-        compute: the tokens are split in two halves, A (the first ceil(T/2) rows) and B (the rest, possibly none);
-        A's and B's dispatches both start, then A's experts and combine run while B's dispatch completes, then B's
-        experts and combine. Shared experts run once, on all tokens, while both dispatches are in flight. Every
-        rank must call it when one does (each micro-batch is a collective step, even when it holds no tokens)."""
+        micro_batches=2 runs the tokens as two micro-batches whose communication overlaps the other's compute:
+        A (the first ceil(T/2) rows) and B (the rest, possibly none); both dispatches start, then A's experts and
+        combine run while B's dispatch completes, then B's. Shared experts run once, on all tokens, while the
+        dispatches are in flight. Every rank must pass the same micro_batches (each micro-batch is a collective
+        step, even an empty one)."""
+        if isinstance(micro_batches, bool) or not isinstance(micro_batches, int) or micro_batches not in (1, MICRO_BATCHES):
+            raise ValueError(f"micro_batches ({micro_batches!r}) must be 1 or {MICRO_BATCHES}")
         call = self._begin(hidden_states, w1, w2, topk_weights, topk_ids, activation, global_num_experts, expert_map,
                            apply_router_weight_on_input, inplace, output)
         pf = self.prepare_finalize
-        halves = (call.rows(0, 2), call.rows(1, 2))
+        parts = [call.rows(mb, micro_batches) for mb in range(micro_batches)]
+        overlap = pf.has_prepare_no_receive() and (micro_batches > 1 or self.shared_experts is not None)
         with phase("prepare"):
-            if pf.has_prepare_no_receive():
-                receivers = [call.start(mb, rows) for mb, rows in enumerate(halves)]
+            if overlap:
+                receivers = [call.start(mb, rows) for mb, rows in enumerate(parts)]
             else:
-                prepared = [call.prepare(mb, rows) for mb, rows in enumerate(halves)]
+                prepared = [call.prepare(mb, rows) for mb, rows in enumerate(parts)]
                 receivers = [lambda p=p: p for p in prepared]
-        shared_output = None
-        if self.shared_experts is not None:
-            with phase("shared_experts"):
-                shared_output = self.shared_experts(hidden_states)
-        for mb, (rows, workspaces) in enumerate(zip(halves, (self.workspaces, self.second_workspaces))):
-            with phase("prepare"):
-                prepared_mb = receivers[mb]()
+            shared_output = self._shared(hidden_states) if overlap else None
+            first = receivers[0]()
+        if shared_output is None and self.shared_experts is not None:
+            shared_output = self._shared(hidden_states)
+        for mb, (rows, workspaces) in enumerate(zip(parts, (self.workspaces, self.second_workspaces))):
+            if mb == 0:
+                prepared_mb = first
+            else:
+                with phase("prepare"):
+                    prepared_mb = receivers[mb]()
             self._experts_and_finalize(call, rows, prepared_mb, workspaces)
         if self.shared_experts is not None:
             return shared_output, call.output
         return call.output
+
+    def _shared(self, hidden_states: torch.Tensor) -> Optional[torch.Tensor]:
+        if self.shared_experts is None:
+            return None
+        with phase("shared_experts"):
+            return self.shared_experts(hidden_states)
 
     def _begin(self, hidden_states, w1, w2, topk_weights, topk_ids, activation, global_num_experts, expert_map,
                apply_router_weight_on_input, inplace, output) -> "_Call":

@@ -2,16 +2,9 @@
 the float32 oracle with NaN-poisoned outputs and format-derived tolerances.
 
 Under pytest it runs the whole valid matrix at the CPU-sized shapes of moe_modular/testing/cli.py. As a
-program it is that command line (moe_modular.testing.cli.main):
+program it is that command line (its docstring lists the flags):
 
-  python -m tests.test_modular_kernel_combinations --pf-type X --experts-type Y [--world-size N]
-      [-m M ...] [-k K] [-n N] [--num-experts E] [--topk k ...] [--dtype D] [--quant-dtype fp8]
-      [--per-token-quantized-activations] [--per-channel-quantized-weights] [--block-shape B B]
-
-Without --pf-type / --experts-type it runs a tour of the valid matrix (each pair once in its first valid
-scheme, then each remaining scheme once: every PF, experts class and scheme appears), or with --full the
-whole valid matrix, with a progress bar (time left, cell names) and a summary table. Exit codes: 0 all
-passed, 1 a case failed, 2 bad arguments or an invalid pair.
+  python -m tests.test_modular_kernel_combinations [--pf-type X --experts-type Y] [--full] ...
 """
 from __future__ import annotations
 

@@ -5,7 +5,7 @@ finalize, and prepare's micro_batch picks the communication buffers; so two micr
 prepare and finalize at once, as dual-batch overlap runs them. For every expert-parallel PF (DeepEP's two
 and symmetric memory through their gloo stand-ins, tests/deepep_stand_in.py and test_symm_mem.py) this checks,
 against the single-batch forward of the same kernel (and that one against the float32 oracle):
-  - FusedMoEModularKernel.forward_two_micro_batches;
+  - FusedMoEModularKernel.forward(..., micro_batches=2);
   - prepare / receive / experts / finalize of the two halves driven by hand, interleaved in both orders:
     A's receive, experts and finalize before B's (the kernel's order), and B's receive and experts first,
     then A's, with B finalized before A;
@@ -118,9 +118,9 @@ class Layer:
 
     def forward(self, two: bool) -> torch.Tensor:
         out = torch.full_like(self.x, float("nan"))
-        fn = self.kernel.forward_two_micro_batches if two else self.kernel.forward
-        fn(self.x, self.w1, self.w2, self.tw, self.ti, activation=Activation.SILU, global_num_experts=self.case.E,
-           expert_map=self.expert_map, output=out)
+        self.kernel(self.x, self.w1, self.w2, self.tw, self.ti, activation=Activation.SILU,
+                    global_num_experts=self.case.E, expert_map=self.expert_map, output=out,
+                    micro_batches=2 if two else 1)
         return out
 
     def oracle(self) -> torch.Tensor:
@@ -235,7 +235,7 @@ def _worker(pgi, seed0: int) -> None:
                 err = rel_error(single, layer.oracle())
                 if not (math.isfinite(err) and err <= tol):
                     failures.append(f"{case.describe()}: single batch vs oracle {err:.3g} > {tol:.3g}")
-                results = {"forward_two_micro_batches": layer.forward(two=True),
+                results = {"forward(micro_batches=2)": layer.forward(two=True),
                            "by hand, A then B": by_hand(layer, b_first=False),
                            "by hand, B first": by_hand(layer, b_first=True)}
                 for what, out in results.items():
@@ -274,3 +274,31 @@ def test_no_prepare_finalize_keeps_per_forward_state():
 
 def test_symmetric_memory_keeps_a_dispatch_layout_per_micro_batch():
     assert MICRO_BATCHES <= symm_mem.LAYOUT_SLOTS
+
+
+@pytest.mark.parametrize("bad", [0, 3, True, 1.0])
+def test_micro_batches_out_of_range_is_refused(bad):
+    from moe_modular.prepare_finalize.no_ep import MoEPrepareAndFinalizeNoEP
+
+    moe = MoEConfig(num_experts=4, topk=2, hidden_dim=16, intermediate_dim=8, dtype=torch.float32)
+    kernel = FusedMoEModularKernel(MoEPrepareAndFinalizeNoEP(), TorchExperts(moe, MoEQuantParams()))
+    x = torch.randn(3, 16)
+    ids = torch.tensor([[0, 1], [2, 3], [1, 2]], dtype=torch.int32)
+    with pytest.raises(ValueError, match=rf"micro_batches \({bad!r}\) must be 1 or {MICRO_BATCHES}"):
+        kernel(x, torch.randn(4, 16, 16), torch.randn(4, 16, 8), torch.full((3, 2), 0.5), ids, micro_batches=bad)
+
+
+def test_no_ep_two_micro_batches_match_one():
+    """The single-rank PF through the same path: two halves (one of them empty at T=1) give the one-batch result."""
+    from moe_modular.prepare_finalize.no_ep import MoEPrepareAndFinalizeNoEP
+
+    moe = MoEConfig(num_experts=4, topk=2, hidden_dim=16, intermediate_dim=8, dtype=torch.float32)
+    kernel = FusedMoEModularKernel(MoEPrepareAndFinalizeNoEP(), TorchExperts(moe, MoEQuantParams()),
+                                   workspaces=WorkspaceCache(poison=float("nan")))
+    w1, w2 = torch.randn(4, 16, 16), torch.randn(4, 16, 8)
+    for T in (1, 5):
+        x = torch.randn(T, 16)
+        tw, ti = torch.softmax(torch.randn(T, 4), -1).topk(2, dim=-1)
+        one = kernel(x, w1, w2, tw, ti.to(torch.int32))
+        two = kernel(x, w1, w2, tw, ti.to(torch.int32), micro_batches=2)
+        torch.testing.assert_close(two, one)

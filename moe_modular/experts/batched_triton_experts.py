@@ -1,6 +1,6 @@
 """BatchedTritonExperts: BatchedExperts-format experts in Triton.
 
-Shape legend: El local experts, Bt slots per expert, K hidden, N2 = w1 rows, Ni = N2 / 2,
+Shape legend: El local experts, Bt slots per expert, K hidden, N2 = w1 rows, N = N2 / 2,
 G groups of the intermediate.
 
 Expert e computes its first expert_num_tokens[e] slots (read on the device; no host sync):
@@ -61,10 +61,10 @@ class BatchedTritonExperts(TritonExpertsBase):
     def _fused(self, activation: Activation) -> bool:
         return fuses_activation(self.fuse_activation, self.moe.quant, activation)
 
-    def workspace_shapes(self, M, N, K, topk, global_num_experts, local_num_experts, expert_tokens_meta):
+    def workspace_shapes(self, M, N2, K, topk, global_num_experts, local_num_experts, expert_tokens_meta):
         """M is Bt. workspace13 holds h1 (El, Bt, N2) (nothing when the first GEMM applies the
         activation); workspace2 the intermediate and its scales. Output (El, Bt, K) unweighted."""
-        ws13, ws2 = self._layout(M, N, K, local_num_experts)
+        ws13, ws2 = self._layout(M, N2, K, local_num_experts)
         return (ws13,), (ws2.numel(self.moe.dtype),), (local_num_experts, M, K), self.moe.dtype
 
     def finalize_weight_and_reduce_impl(self):
@@ -89,7 +89,7 @@ class BatchedTritonExperts(TritonExpertsBase):
         apply_router_weight_on_input: bool,
     ) -> None:
         """output (El, Bt, K) activation dtype; hidden_states (El, Bt, K) fp8 (a1q_scale (1,) /
-        (El, Bt, 1) / (El, Bt, G)) or the activation dtype; w1 (El, N2, K), w2 (El, K, Ni);
+        (El, Bt, 1) / (El, Bt, G)) or the activation dtype; w1 (El, N2, K), w2 (El, K, N);
         expert_tokens_meta.expert_num_tokens (El,) int32 on the device; a2_scale (1,) when static.
         topk_weights / topk_ids / expert_map are not read (the PF reduces)."""
         if expert_tokens_meta is None:
@@ -99,12 +99,12 @@ class BatchedTritonExperts(TritonExpertsBase):
         _, N2, _ = w1.shape
         if w1.shape[0] != El:
             raise ValueError(f"hidden_states experts ({El}) must equal w1.size(0) ({w1.shape[0]})")
-        Ni = N2 // 2
+        N = N2 // 2
         counts = expert_tokens_meta.expert_num_tokens
         activation = Activation.parse(activation)
         q, modes = self.quant, self.modes
         group = q.config.block_shape if q.config.is_block else (1, 1)
-        cfg = self.tiles(B, El, Ni, K, self.moe.topk, hidden_states.device)
+        cfg = self.tiles(B, El, N, K, self.moe.topk, hidden_states.device)
         _, layout = self._layout(B, N2, K, El)
         buf = layout.carve(workspace2)
         a1_mode = modes.a1
@@ -114,7 +114,7 @@ class BatchedTritonExperts(TritonExpertsBase):
         inter = buf["intermediate"]
         inter_scale = buf.get("intermediate_scale", a2_scale)
         if self._fused(activation):
-            moe_gemm(hidden_states, w1, inter.view(El, B, Ni), self.tiles.fused_gemm1(cfg.gemm1),
+            moe_gemm(hidden_states, w1, inter.view(El, B, N), self.tiles.fused_gemm1(cfg.gemm1),
                      expert_num_tokens_El=counts, fuse_activation=activation)
         else:
             h1 = h1_view(workspace13, (El, B, N2), self.moe, self._fused(self.moe.activation), activation)
@@ -125,5 +125,5 @@ class BatchedTritonExperts(TritonExpertsBase):
                         row_mode=RowMode.BATCHED, num_local_experts=El, expert_num_tokens_El=counts, slots=B)
         if inter_scale is not None and inter_scale.dim() == 2:
             inter_scale = inter_scale.view(El, B, inter_scale.shape[1])
-        moe_gemm(inter.view(El, B, Ni), w2, output, cfg.gemm2, a_scale=inter_scale, a_scale_mode=modes.a2,
+        moe_gemm(inter.view(El, B, N), w2, output, cfg.gemm2, a_scale=inter_scale, a_scale_mode=modes.a2,
                  b_scale=q.w2_scale, b_scale_mode=modes.w, group_shape=group, expert_num_tokens_El=counts)

@@ -1,6 +1,6 @@
 """GroupedMMExperts: Standard-format experts on torch's grouped GEMMs with a plain torch permute.
 
-Shape legend: T tokens, k topk, R = T * k routes, K hidden, N2 = w1 rows (2 * Ni), Ni intermediate,
+Shape legend: T tokens, k topk, R = T * k routes, K hidden, N2 = w1 rows (2 * N), N intermediate,
 El local experts, E global experts.
 
 One forward, torch ops only, no host sync (CUDA-graph capturable at fixed T):
@@ -102,7 +102,7 @@ class GroupedMMExperts(FusedMoEExpertsModular):
     def supports_chunking(self) -> bool:
         return True
 
-    def workspace_shapes(self, M, N, K, topk, global_num_experts, local_num_experts, expert_tokens_meta):
+    def workspace_shapes(self, M, N2, K, topk, global_num_experts, local_num_experts, expert_tokens_meta):
         """workspace13 holds the gathered token rows (R, K) in expert order, workspace2 the second
         GEMM's rows back in route order (R, K); the grouped GEMMs allocate their own outputs (torch
         has no out= form of them). Output (M, K), already weighted and reduced."""
@@ -131,7 +131,7 @@ class GroupedMMExperts(FusedMoEExpertsModular):
         apply_router_weight_on_input: bool,
     ) -> None:
         """output (T, K) bf16; hidden_states (T, K) bf16, or fp8 e4m3 with a1q_scale (T, 1) float32;
-        w1 (El, N2, K), w2 (El, K, Ni) bf16 or fp8 (scales (El, N2, 1) / (El, K, 1) in self.quant);
+        w1 (El, N2, K), w2 (El, K, N) bf16 or fp8 (scales (El, N2, 1) / (El, K, 1) in self.quant);
         topk_weights (T, k) float32; topk_ids (T, k) int: global ids mapped by expert_map (E,) int32,
         or local ids (-1 or any id outside [0, El) = not held here) when expert_map is None."""
         T, K = hidden_states.shape
@@ -198,7 +198,7 @@ class GroupedMMExperts(FusedMoEExpertsModular):
 
     @staticmethod
     def _act_and_mul(h_RN2: torch.Tensor, activation: Activation) -> torch.Tensor:
-        """act(gate) * up in h's dtype (R, Ni); swiglu-oai through the float32 oracle."""
+        """act(gate) * up in h's dtype (R, N); swiglu-oai through the float32 oracle."""
         if activation is Activation.SWIGLU_OAI:
             return act_and_mul_torch(h_RN2, activation).to(h_RN2.dtype)
         n = h_RN2.size(1) // 2

@@ -31,9 +31,9 @@ class NaiveBatchedExperts(FusedMoEExpertsModular):
     def supports_chunking(self) -> bool:
         return False
 
-    def workspace_shapes(self, M, N, K, topk, global_num_experts, local_num_experts, expert_tokens_meta):
+    def workspace_shapes(self, M, N2, K, topk, global_num_experts, local_num_experts, expert_tokens_meta):
         # M is B here; workspace13 holds one expert's first-GEMM rows.
-        return (M, N), (1,), (local_num_experts, M, K), torch.float32
+        return (M, N2), (1,), (local_num_experts, M, K), torch.float32
 
     def finalize_weight_and_reduce_impl(self):
         return TopKWeightAndReduceDelegate()

@@ -33,9 +33,9 @@ class TorchExperts(FusedMoEExpertsModular):
     def supports_chunking(self) -> bool:
         return True
 
-    def workspace_shapes(self, M, N, K, topk, global_num_experts, local_num_experts, expert_tokens_meta):
+    def workspace_shapes(self, M, N2, K, topk, global_num_experts, local_num_experts, expert_tokens_meta):
         # workspace13 holds the first GEMM's rows (at most M*topk routes), workspace2 is unused.
-        return (M * topk, N), (1,), (M, topk, K), torch.float32
+        return (M * topk, N2), (1,), (M, topk, K), torch.float32
 
     def finalize_weight_and_reduce_impl(self):
         return TopKWeightAndReduceContiguous()

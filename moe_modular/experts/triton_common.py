@@ -2,7 +2,7 @@
 modes of the two GEMMs, tile selection and carving typed buffers out of one workspace.
 
 Shape legend: R rows of the intermediate (routes T*k, or El*Bt batched slots), N2 = w1 rows
-(2 * intermediate), Ni intermediate, K hidden, El local experts, G groups of the intermediate.
+(2 * intermediate), N intermediate, K hidden, El local experts, G groups of the intermediate.
 """
 from __future__ import annotations
 
@@ -125,7 +125,7 @@ class TileSelector:
         """fused_gemm1_tile(tile), memoized (the forward asks for it on every call)."""
         return self._fused.get_or_make(tile, lambda: fused_gemm1_tile(tile))
 
-    def __call__(self, M: int, El: int, Ni: int, K: int, topk: int, device: torch.device) -> "TileConfig":
+    def __call__(self, M: int, El: int, N: int, K: int, topk: int, device: torch.device) -> "TileConfig":
         if self.fixed is not None:
             return self.fixed
         name = self._devices.get(device)
@@ -134,8 +134,8 @@ class TileSelector:
         if self.table is None:
             self.table = TileConfigTable.load()
         return self._chosen.get_or_make(
-            (M, El, Ni, K, topk, name),
-            lambda: self.table.select(M, El, Ni, K, topk, self.moe.dtype, self.moe.quant, name))
+            (M, El, N, K, topk, name),
+            lambda: self.table.select(M, El, N, K, topk, self.moe.dtype, self.moe.quant, name))
 
 
 class WorkspaceLayout:
@@ -249,15 +249,15 @@ def bytes_to_numel(nbytes: int, dtype: torch.dtype) -> int:
     return max(1, -(-int(nbytes) // item))
 
 
-def intermediate_regions(layout: WorkspaceLayout, R: int, Ni: int, El: int, moe: MoEConfig) -> WorkspaceLayout:
-    """The intermediate (R, Ni) and its scales, as the scheme needs them."""
+def intermediate_regions(layout: WorkspaceLayout, R: int, N: int, El: int, moe: MoEConfig) -> WorkspaceLayout:
+    """The intermediate (R, N) and its scales, as the scheme needs them."""
     q = moe.quant
     modes = scheme_modes(q)
-    layout.add("intermediate", (R, Ni), torch.float8_e4m3fn if q.is_quantized else moe.dtype)
+    layout.add("intermediate", (R, N), torch.float8_e4m3fn if q.is_quantized else moe.dtype)
     if modes.intermediate is IntermediateQuant.TOKEN:
         layout.add("intermediate_scale", (R, 1), torch.float32)
     elif modes.intermediate is IntermediateQuant.GROUP:
-        layout.add("intermediate_scale", (R, -(-Ni // q.block_shape[1])), torch.float32)
+        layout.add("intermediate_scale", (R, -(-N // q.block_shape[1])), torch.float32)
     elif modes.intermediate is IntermediateQuant.TENSOR_DYNAMIC:
         layout.add("intermediate_scale", (El,), torch.float32)
         layout.add("amax", (El,), torch.float32)

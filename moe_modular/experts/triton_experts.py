@@ -1,6 +1,6 @@
 """TritonExperts: Standard-format experts in Triton (align, grouped GEMM, act*mul, GEMM, top-k sum).
 
-Shape legend: T tokens, k topk, R = T * k routes, K hidden, N2 = w1 rows, Ni = N2 / 2,
+Shape legend: T tokens, k topk, R = T * k routes, K hidden, N2 = w1 rows, N = N2 / 2,
 El local experts, E global experts.
 
 One forward, all on the device with sizes fixed by T (no host sync, no allocation; CUDA-graph
@@ -8,7 +8,7 @@ capturable):
   1. moe_align: routes grouped by local expert, padded to BLOCK_M (expert_map -1: no slot); a single
      token skips it (its k routes go to k distinct experts: the GEMMs take one block per route)
   2. GEMM1: h1 (R, N2) = a1q[token of route] @ w1[e].T, dequantized
-  3. act_and_mul: intermediate (R, Ni) = act(gate) * up, re-quantized to fp8 for fp8 schemes
+  3. act_and_mul: intermediate (R, N) = act(gate) * up, re-quantized to fp8 for fp8 schemes
      (unquantized SiLU / GELU, and fp8-block SiLU / GELU where the tiles say act_q: GEMM1 computes
      act(gate) * up in its epilogue, quantizes it in 1 x group groups for fp8-block, and writes the
      intermediate itself; h1 is never stored)
@@ -16,7 +16,7 @@ capturable):
   5. moe_sum: output (T, K) = sum of the held routes of each token
 Sorted rows (unquantized SiLU / GELU, where the tiles say a_tma): with gemm1.a_tma, sort_rows first
 gathers the tokens into sorted-route order (S, K) and GEMM1 loads them block by block through a
-tensor descriptor; with gemm2.a_tma, GEMM1 writes the intermediate in sorted order (S, Ni) and GEMM2
+tensor descriptor; with gemm2.a_tma, GEMM1 writes the intermediate in sorted order (S, N) and GEMM2
 loads it the same way. S = moe_align's sorted capacity (routes plus per-expert padding).
 """
 from __future__ import annotations
@@ -154,12 +154,12 @@ class TritonExperts(TritonExpertsBase):
         sort_in, sort_mid = fused and bool(cfg.gemm1.a_tma), fused and bool(cfg.gemm2.a_tma)
         return sort_in, sort_mid, cfg.block_m if (sort_in or sort_mid) else 0
 
-    def workspace_shapes(self, M, N, K, topk, global_num_experts, local_num_experts, expert_tokens_meta):
+    def workspace_shapes(self, M, N2, K, topk, global_num_experts, local_num_experts, expert_tokens_meta):
         """workspace13 holds h1 (R, N2) (float32 for fp8 schemes; not stored when the first GEMM applies
-        the activation) or the sorted tokens (S, K), then y (R, K); workspace2 the intermediate ((R, Ni),
-        or (S, Ni) sorted), its scales and the alignment buffers. Output (M, K), already weighted and
+        the activation) or the sorted tokens (S, K), then y (R, K); workspace2 the intermediate ((R, N),
+        or (S, N) sorted), its scales and the alignment buffers. Output (M, K), already weighted and
         reduced. Sized for the tiles of the current device (the one apply will run on)."""
-        plan = self._plan(M, local_num_experts, N, K, topk, self.moe.activation, current_device())
+        plan = self._plan(M, local_num_experts, N2, K, topk, self.moe.activation, current_device())
         return (plan.ws13_numel,), (plan.layout.numel(self.moe.dtype),), (M, K), self.moe.dtype
 
     def finalize_weight_and_reduce_impl(self):
@@ -184,7 +184,7 @@ class TritonExperts(TritonExpertsBase):
         apply_router_weight_on_input: bool,
     ) -> None:
         """output (T, K) activation dtype; hidden_states (T, K) fp8 (scale a1q_scale: (1,) / (T, 1) /
-        (T, G)) or the activation dtype; w1 (El, N2, K), w2 (El, K, Ni); topk_weights (T, k) float32;
+        (T, G)) or the activation dtype; w1 (El, N2, K), w2 (El, K, N); topk_weights (T, k) float32;
         topk_ids (T, k) int: global ids mapped by expert_map (E,) int32, or local ids (-1 or any id
         outside [0, El) = not held here) when expert_map is None; a2_scale (1,) for static schemes."""
         check_device(hidden_states)
