@@ -244,11 +244,18 @@ def test_forwards_bitwise_equal_across_launch_modes(T, misaligned):
         "no grouped GEMM launch was kept for direct launches"
 
 
-def test_kept_kernels_are_bounded():
-    from moe_modular.kernels.launcher import KeptKernels
+def test_bounded_cache_starts_over_past_its_limit():
+    from moe_modular.kernels import launcher
+    from moe_modular.kernels.host import BoundedCache
 
-    kept = KeptKernels(limit=3)
+    assert isinstance(launcher._KEPT, BoundedCache)  # the kept kernels are bounded
+    kept = BoundedCache(limit=3)
     for i in range(7):
         kept.put(("key", i), None)
         assert len(kept) <= 3
     assert kept.get(("key", 6), "missing") is None and kept.get(("key", 0), "missing") == "missing"
+    made = []
+    memo = BoundedCache(limit=2)
+    for key in (1, 2, 1, 3, 1):
+        memo.get_or_make(key, lambda key=key: made.append(key) or f"plan {key}")
+    assert made == [1, 2, 3, 1] and len(memo) <= 2  # 1 made again after the cache started over at 3

@@ -13,6 +13,7 @@ from typing import Optional
 import torch
 
 from moe_modular.config import SUPPORTED_DTYPES, Activation, MoEConfig
+from moe_modular.kernels.host import BoundedCache
 from moe_modular.quant import ActivationQuant, QuantConfig, WeightQuant
 
 try:
@@ -92,23 +93,6 @@ def check_device(t: torch.Tensor) -> None:
             "triton is imported to run the kernels through Triton's interpreter")
 
 
-class BoundedMemo:
-    """A per-instance memo of host-side plans keyed by problem size (cleared past `limit` keys, so a
-    server seeing many batch sizes does not grow it without bound)."""
-
-    def __init__(self, limit: int = 4096) -> None:
-        self.limit = limit
-        self._items: dict = {}
-
-    def get_or_make(self, key, make):
-        item = self._items.get(key)
-        if item is None:
-            if len(self._items) >= self.limit:
-                self._items.clear()
-            item = self._items[key] = make()
-        return item
-
-
 class TileSelector:
     """Per-instance tile choice: tuned tables, else the default heuristic; memoized per problem."""
 
@@ -118,8 +102,8 @@ class TileSelector:
         self.table = table
         self.fixed = fixed
         self._devices: dict[torch.device, str] = {}
-        self._chosen = BoundedMemo()
-        self._fused = BoundedMemo()
+        self._chosen = BoundedCache()
+        self._fused = BoundedCache()
 
     def fused_gemm1(self, tile: "GemmTile") -> "GemmTile":
         """fused_gemm1_tile(tile), memoized (the forward asks for it on every call)."""
@@ -150,7 +134,7 @@ class WorkspaceLayout:
         self._bytes = 0
         # carve's views of the last workspaces, by (address, bytes): the views hold their storage, so no other
         # tensor can have the same address while an entry lives
-        self._carved = BoundedMemo(limit=4)
+        self._carved = BoundedCache(limit=4)
 
     def add(self, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> "WorkspaceLayout":
         n = 1

@@ -29,7 +29,6 @@ import torch
 from moe_modular.config import Activation
 from moe_modular.experts.triton_common import (
     MAX_BLOCK_M,
-    BoundedMemo,
     WorkspaceLayout,
     bytes_to_numel,
     check_device,
@@ -42,6 +41,7 @@ from moe_modular.experts.triton_common import (
 )
 from moe_modular.experts.triton_experts_base import TritonExpertsBase
 from moe_modular.interfaces import ActivationFormat, ExpertTokensMetadata
+from moe_modular.kernels.host import BoundedCache
 from moe_modular.weight_and_reduce import TopKWeightAndReduceNoOp
 
 try:  # the kernels apply launches, imported once (not on every forward); without triton supports() says no
@@ -98,10 +98,10 @@ class TritonExperts(TritonExpertsBase):
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
-        self._plans = BoundedMemo()
+        self._plans = BoundedCache()
         # views over the last workspaces, by (address, size, device, shape, dtype): a view holds its storage, so
         # no other tensor can have the same address while an entry lives
-        self._views = BoundedMemo(limit=4)
+        self._views = BoundedCache(limit=4)
 
     @classmethod
     def activation_formats(cls) -> tuple[ActivationFormat, ActivationFormat]:

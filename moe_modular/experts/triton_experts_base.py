@@ -4,7 +4,8 @@ from __future__ import annotations
 from typing import Optional
 
 from moe_modular.config import MoEConfig
-from moe_modular.experts.triton_common import BoundedMemo, TileSelector, scheme_modes, triton_supports
+from moe_modular.experts.triton_common import TileSelector, scheme_modes, triton_supports
+from moe_modular.kernels.host import BoundedCache
 from moe_modular.interfaces import FusedMoEExpertsModular
 from moe_modular.quant import MoEQuantParams
 
@@ -26,7 +27,7 @@ class TritonExpertsBase(FusedMoEExpertsModular):
         self.modes = scheme_modes(moe.quant)
         self.tiles = TileSelector(moe, tile_table, tile_config)
         self.fuse_activation = fuse_activation
-        self._layouts = BoundedMemo()
+        self._layouts = BoundedCache()
 
     @classmethod
     def supports(cls, moe: MoEConfig) -> tuple[bool, str]:

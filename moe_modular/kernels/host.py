@@ -6,6 +6,27 @@ import functools
 import torch
 
 
+class BoundedCache(dict):
+    """A dict of host-side results by key that starts over past `limit` keys (`put`, `get_or_make`), so a server
+    seeing many problem sizes does not grow it without end; a key dropped is made again on its next use."""
+
+    def __init__(self, limit: int = 4096) -> None:
+        super().__init__()
+        self.limit = limit
+
+    def put(self, key, value) -> None:
+        if len(self) >= self.limit:
+            self.clear()
+        self[key] = value
+
+    def get_or_make(self, key, make):
+        item = self.get(key)
+        if item is None:
+            item = make()
+            self.put(key, item)
+        return item
+
+
 def cdiv(a: int, b: int) -> int:
     """Ceiling division of non-negative ints."""
     return -(-int(a) // int(b))

@@ -31,6 +31,8 @@ from typing import Any, Iterator, Optional
 
 import torch
 
+from moe_modular.kernels.host import BoundedCache
+
 LAUNCH_MODES = ("direct", "triton", "check")
 # direct: passed the GPU tests in "check" mode on triton 3.6 (H100, torch 2.11); "triton" is the fallback
 DEFAULT_MODE = "direct"
@@ -116,22 +118,9 @@ class _Kept:
     bare: Optional[tuple] = None
 
 
-class KeptKernels(dict):
-    """The compiled kernels kept for direct launches, by launch key; None under a key: that key always takes
-    Triton's path (the interpreter). Bounded: `put` past `limit` keys starts over (a key dropped is kept again
-    from Triton's own cache on its next launch), so a server seeing many shapes does not grow it without end."""
-
-    def __init__(self, limit: int = 4096) -> None:
-        super().__init__()
-        self.limit = limit
-
-    def put(self, key: tuple, kept: Optional[_Kept]) -> None:
-        if len(self) >= self.limit:
-            self.clear()
-        self[key] = kept
-
-
-_KEPT = KeptKernels()  # this process's kernels (compiled kernels are per process, as Triton's own cache is)
+# The compiled kernels kept for direct launches, by launch key; None under a key: that key always takes Triton's
+# path (the interpreter). A key dropped past the bound is kept again from Triton's own cache on its next launch.
+_KEPT = BoundedCache()  # this process's kernels (compiled kernels are per process, as Triton's own cache is)
 _MISSING = object()
 
 
