@@ -6,8 +6,7 @@ El local experts, E global experts.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Callable, NamedTuple, Optional
 
 import torch
 
@@ -27,9 +26,9 @@ from moe_modular.workspace import WorkspaceCache
 DEFAULT_CHUNK_SIZE = 32 * 1024
 
 
-@dataclass(frozen=True)
-class _Call:
-    """One forward's checked arguments; prepare / start run one micro-batch's rows of them."""
+class _Call(NamedTuple):
+    """One forward's checked arguments; prepare / start run one micro-batch's rows of them (rows None: all of
+    them, without taking views: an eager forward's host time counts)."""
 
     pf: FusedMoEPrepareAndFinalizeModular
     quant: MoEQuantParams
@@ -44,21 +43,27 @@ class _Call:
     apply_router_weight_on_input: bool
     output: torch.Tensor
 
-    def rows(self, part: int, parts: int) -> slice:
-        """The rows of micro-batch `part` of `parts`: the first ceil(T/parts) rows first."""
+    def parts(self, micro_batches: int) -> list[Optional[slice]]:
+        """The rows of each micro-batch: all (None) for one; else the first ceil(T/parts) rows, then the rest."""
+        if micro_batches == 1:
+            return [None]
         T = self.hidden_states.size(0)
-        size = -(-T // parts)
-        return slice(min(part * size, T), min((part + 1) * size, T))
+        size = -(-T // micro_batches)
+        return [slice(min(p * size, T), min((p + 1) * size, T)) for p in range(micro_batches)]
 
-    def _args(self, rows: slice):
-        return (self.hidden_states[rows], self.topk_weights[rows], self.topk_ids[rows], self.global_num_experts,
-                self.expert_map, self.apply_router_weight_on_input, self.quant)
+    def _args(self, rows: Optional[slice]):
+        return (_rows(self.hidden_states, rows), _rows(self.topk_weights, rows), _rows(self.topk_ids, rows),
+                self.global_num_experts, self.expert_map, self.apply_router_weight_on_input, self.quant)
 
-    def prepare(self, micro_batch: int, rows: slice) -> PrepareResult:
+    def prepare(self, micro_batch: int, rows: Optional[slice]) -> PrepareResult:
         return self.pf.prepare(*self._args(rows), micro_batch=micro_batch)
 
-    def start(self, micro_batch: int, rows: slice) -> Callable[[], PrepareResult]:
+    def start(self, micro_batch: int, rows: Optional[slice]) -> Callable[[], PrepareResult]:
         return self.pf.prepare_no_receive(*self._args(rows), micro_batch=micro_batch)
+
+
+def _rows(t: torch.Tensor, rows: Optional[slice]) -> torch.Tensor:
+    return t if rows is None else t[rows]
 
 
 class FusedMoEModularKernel(torch.nn.Module):
@@ -137,7 +142,7 @@ class FusedMoEModularKernel(torch.nn.Module):
         call = self._begin(hidden_states, w1, w2, topk_weights, topk_ids, activation, global_num_experts, expert_map,
                            apply_router_weight_on_input, inplace, output)
         pf = self.prepare_finalize
-        parts = [call.rows(mb, micro_batches) for mb in range(micro_batches)]
+        parts = call.parts(micro_batches)
         overlap = pf.has_prepare_no_receive() and (micro_batches > 1 or self.shared_experts is not None)
         with phase("prepare"):
             if overlap:
@@ -188,10 +193,11 @@ class FusedMoEModularKernel(torch.nn.Module):
         return _Call(self.prepare_finalize, self.fused_experts.quant, hidden_states, w1, w2, topk_weights, topk_ids,
                      activation, global_num_experts, expert_map, apply_router_weight_on_input, output)
 
-    def _experts_and_finalize(self, call: "_Call", rows: slice, prepared: PrepareResult,
+    def _experts_and_finalize(self, call: "_Call", rows: Optional[slice], prepared: PrepareResult,
                               workspaces: WorkspaceCache) -> None:
         fe = self.fused_experts
-        output, topk_weights, topk_ids = call.output[rows], call.topk_weights[rows], call.topk_ids[rows]
+        output = _rows(call.output, rows)
+        topk_weights, topk_ids = _rows(call.topk_weights, rows), _rows(call.topk_ids, rows)
         with phase("experts"):
             fused_out = self._run_experts(prepared, call.w1, call.w2, topk_weights, topk_ids, call.activation,
                                           call.global_num_experts, call.expert_map,
