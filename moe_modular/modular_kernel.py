@@ -137,33 +137,47 @@ class FusedMoEModularKernel(torch.nn.Module):
         combine run while B's dispatch completes, then B's. Shared experts run once, on all tokens, while the
         dispatches are in flight. Every rank must pass the same micro_batches (each micro-batch is a collective
         step, even an empty one)."""
-        if isinstance(micro_batches, bool) or not isinstance(micro_batches, int) or micro_batches not in (1, MICRO_BATCHES):
+        if type(micro_batches) is not int or micro_batches not in (1, MICRO_BATCHES):  # noqa: E721 - bool is refused
             raise ValueError(f"micro_batches ({micro_batches!r}) must be 1 or {MICRO_BATCHES}")
         call = self._begin(hidden_states, w1, w2, topk_weights, topk_ids, activation, global_num_experts, expert_map,
                            apply_router_weight_on_input, inplace, output)
+        if micro_batches == 1:
+            return self._forward_one(call)
+        return self._forward_micro_batched(call, micro_batches)
+
+    def _forward_one(self, call: "_Call"):
+        """One batch: the dispatch overlaps the shared experts where the PF can start it without waiting."""
+        pf, shared_output = self.prepare_finalize, None
+        with phase("prepare"):
+            if self.shared_experts is not None and pf.has_prepare_no_receive():
+                receiver = call.start(0, None)
+                shared_output = self._shared(call.hidden_states)
+                prepared = receiver()
+            else:
+                prepared = call.prepare(0, None)
+        if self.shared_experts is not None and shared_output is None:
+            shared_output = self._shared(call.hidden_states)
+        self._experts_and_finalize(call, prepared, call.output, call.topk_weights, call.topk_ids, self.workspaces)
+        return call.output if self.shared_experts is None else (shared_output, call.output)
+
+    def _forward_micro_batched(self, call: "_Call", micro_batches: int):
+        """Every micro-batch's dispatch starts (and the shared experts run) before the first one's experts; each
+        micro-batch has its own workspaces."""
         pf = self.prepare_finalize
         parts = call.parts(micro_batches)
-        overlap = pf.has_prepare_no_receive() and (micro_batches > 1 or self.shared_experts is not None)
         with phase("prepare"):
-            if overlap:
+            if pf.has_prepare_no_receive():
                 receivers = [call.start(mb, rows) for mb, rows in enumerate(parts)]
             else:
                 prepared = [call.prepare(mb, rows) for mb, rows in enumerate(parts)]
                 receivers = [lambda p=p: p for p in prepared]
-            shared_output = self._shared(hidden_states) if overlap else None
-            first = receivers[0]()
-        if shared_output is None and self.shared_experts is not None:
-            shared_output = self._shared(hidden_states)
+            shared_output = self._shared(call.hidden_states)
         for mb, (rows, workspaces) in enumerate(zip(parts, (self.workspaces, self.second_workspaces))):
-            if mb == 0:
-                prepared_mb = first
-            else:
-                with phase("prepare"):
-                    prepared_mb = receivers[mb]()
-            self._experts_and_finalize(call, rows, prepared_mb, workspaces)
-        if self.shared_experts is not None:
-            return shared_output, call.output
-        return call.output
+            with phase("prepare"):
+                prepared_mb = receivers[mb]()
+            self._experts_and_finalize(call, prepared_mb, call.output[rows], call.topk_weights[rows],
+                                       call.topk_ids[rows], workspaces)
+        return call.output if self.shared_experts is None else (shared_output, call.output)
 
     def _shared(self, hidden_states: torch.Tensor) -> Optional[torch.Tensor]:
         if self.shared_experts is None:
@@ -193,11 +207,10 @@ class FusedMoEModularKernel(torch.nn.Module):
         return _Call(self.prepare_finalize, self.fused_experts.quant, hidden_states, w1, w2, topk_weights, topk_ids,
                      activation, global_num_experts, expert_map, apply_router_weight_on_input, output)
 
-    def _experts_and_finalize(self, call: "_Call", rows: Optional[slice], prepared: PrepareResult,
-                              workspaces: WorkspaceCache) -> None:
+    def _experts_and_finalize(self, call: "_Call", prepared: PrepareResult, output: torch.Tensor,
+                              topk_weights: torch.Tensor, topk_ids: torch.Tensor, workspaces: WorkspaceCache) -> None:
+        """One micro-batch's experts and finalize: output, topk_weights, topk_ids are its rows."""
         fe = self.fused_experts
-        output = _rows(call.output, rows)
-        topk_weights, topk_ids = _rows(call.topk_weights, rows), _rows(call.topk_ids, rows)
         with phase("experts"):
             fused_out = self._run_experts(prepared, call.w1, call.w2, topk_weights, topk_ids, call.activation,
                                           call.global_num_experts, call.expert_map,
