@@ -33,7 +33,7 @@ def finalize_handle(pf: object, handle: Any, handle_type: "type[H]", num_tokens:
         raise ValueError(
             f"{type(pf).__name__}.finalize needs the handle its prepare returned (PrepareResult.handle, a "
             f"{handle_type.__name__}), got {type(handle).__name__}")
-    tokens = getattr(handle, "T")
+    tokens = handle.T
     if tokens != num_tokens:
         raise ValueError(
             f"{type(pf).__name__}.finalize: output has {num_tokens} rows but the handle is of a prepare of "
