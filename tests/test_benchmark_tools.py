@@ -11,22 +11,23 @@ import pytest
 import torch
 
 from moe_modular.quant import QuantConfig
+from tools import bench_common as bc
 from tools import benchmark_moe as bm
 
 H200_CEILINGS = {"copy_Bps": 4.24e12, "bf16_flops": 701e12, "fp8_flops": 1400e12}
 
 FLOOR_CASES = [
     # (shape, quant, M, distinct experts, expected bound)
-    (bm.SHAPES["mixtral"], QuantConfig(), 1, 2, "memory"),  # decode: two experts' weights streamed
-    (bm.SHAPES["mixtral"], QuantConfig(), 16384, 8, "compute"),  # prefill: every expert, flops dominate
-    (bm.SHAPES["qwen3"], QuantConfig.fp8_block((128, 128)), 1, 8, "memory"),  # fp8: 1-byte weights
-    (bm.SHAPES["deepseek-v3"], QuantConfig.fp8_per_token(), 16384, 256, "compute"),  # fp8 matmul rate
+    (bc.SHAPES["mixtral"], QuantConfig(), 1, 2, "memory"),  # decode: two experts' weights streamed
+    (bc.SHAPES["mixtral"], QuantConfig(), 16384, 8, "compute"),  # prefill: every expert, flops dominate
+    (bc.SHAPES["qwen3"], QuantConfig.fp8_block((128, 128)), 1, 8, "memory"),  # fp8: 1-byte weights
+    (bc.SHAPES["deepseek-v3"], QuantConfig.fp8_per_token(), 16384, 256, "compute"),  # fp8 matmul rate
 ]
 
 
 @pytest.mark.parametrize("shape,qc,M,distinct,bound", FLOOR_CASES, ids=lambda v: str(v)[:40])
 def test_floor_matches_benchmarks_md(shape, qc, M, distinct, bound):
-    nbytes, flops, t, got_bound = bm.floor_of(shape, qc, M, distinct, H200_CEILINGS)
+    nbytes, flops, t, got_bound = bc.floor_of(shape, qc, M, distinct, H200_CEILINGS)
     per_weight = 1 if qc.is_quantized else 2
     assert nbytes == distinct * 3 * shape.N * shape.K * per_weight + 2 * M * shape.K * 2
     assert flops == 2 * M * shape.topk * 3 * shape.N * shape.K
@@ -38,24 +39,24 @@ def test_floor_matches_benchmarks_md(shape, qc, M, distinct, bound):
 def test_floor_without_a_matmul_rate_is_memory_only():
     # An fp8 run on a device where the fp8 rate could not be measured: the memory floor alone.
     ceil = dict(H200_CEILINGS, fp8_flops=0.0)
-    nbytes, _, t, bound = bm.floor_of(bm.SHAPES["qwen3"], QuantConfig.fp8_per_token(), 64, 100, ceil)
+    nbytes, _, t, bound = bc.floor_of(bc.SHAPES["qwen3"], QuantConfig.fp8_per_token(), 64, 100, ceil)
     assert bound == "memory" and t == pytest.approx(nbytes / ceil["copy_Bps"])
 
 
 def test_rotation_only_where_the_data_fits_in_l2():
     l2 = 50 << 20
-    qwen, mixtral = bm.SHAPES["qwen3"], bm.SHAPES["mixtral"]
-    assert bm.n_sets_for(qwen, QuantConfig(), 1, l2) > 1  # 8 small experts: 75 MB per forward
-    assert bm.n_sets_for(qwen, QuantConfig(), 1024, l2) == 1  # every expert: 1.2 GB
-    assert bm.n_sets_for(mixtral, QuantConfig(), 1, l2) == 1  # two experts: 700 MB
-    assert bm.n_sets_for(qwen, QuantConfig(), 1, 0) == 1  # CPU: no L2 figure, no rotation
-    assert bm.n_sets_for(bm.SMOKE_SHAPES["tiny"], QuantConfig(), 1, l2) == bm.MAX_SETS
+    qwen, mixtral = bc.SHAPES["qwen3"], bc.SHAPES["mixtral"]
+    assert bc.n_sets_for(qwen, QuantConfig(), 1, l2) > 1  # 8 small experts: 75 MB per forward
+    assert bc.n_sets_for(qwen, QuantConfig(), 1024, l2) == 1  # every expert: 1.2 GB
+    assert bc.n_sets_for(mixtral, QuantConfig(), 1, l2) == 1  # two experts: 700 MB
+    assert bc.n_sets_for(qwen, QuantConfig(), 1, 0) == 1  # CPU: no L2 figure, no rotation
+    assert bc.n_sets_for(bc.SMOKE_SHAPES["tiny"], QuantConfig(), 1, l2) == bc.MAX_SETS
 
 
 def test_inputs_are_seeded_and_count_distinct_experts():
-    shape = bm.SMOKE_SHAPES["tiny-e16"]
-    a = bm.make_inputs(shape, 9, 2, torch.device("cpu"), seed=3)
-    b = bm.make_inputs(shape, 9, 2, torch.device("cpu"), seed=3)
+    shape = bc.SMOKE_SHAPES["tiny-e16"]
+    a = bc.make_inputs(shape, 9, 2, torch.device("cpu"), seed=3)
+    b = bc.make_inputs(shape, 9, 2, torch.device("cpu"), seed=3)
     assert torch.equal(a[0].topk_ids, b[0].topk_ids) and not torch.equal(a[0].topk_ids, a[1].topk_ids)
     for s in a:
         assert s.distinct == torch.unique(s.topk_ids).numel()
@@ -118,7 +119,7 @@ def test_tune_smoke_writes_a_table_tile_config_reads(tmp_path):
     assert len(tables) == 1
     with open(tmp_path / tables[0]) as f:
         key, buckets = TileConfigTable.parse(yaml.safe_load(f), tables[0])
-    shape = bm.SMOKE_SHAPES["tiny"]
+    shape = bc.SMOKE_SHAPES["tiny"]
     assert key == TileKey(shape.E, shape.N, shape.K, "bfloat16", "unquantized", "cpu")
     assert tables[0] == TileConfigTable.file_name(key)
     assert list(buckets) == [8]
@@ -146,7 +147,7 @@ def test_tune_merge_keeps_untuned_buckets_and_times_the_shipped_tile(tmp_path, m
 
     if torch.cuda.is_available():
         pytest.skip("the smoke tune runs the CPU interpreter")
-    shape = bm.SMOKE_SHAPES["tiny"]
+    shape = bc.SMOKE_SHAPES["tiny"]
     key = TileConfigTable.key_for(shape.E, shape.N, shape.K, torch.bfloat16, tune_moe.QUANTS["bf16"], "cpu")
     shipped_8 = TileConfig(GemmTile(16, 32, 64, 1, 4, 1), GemmTile(16, 64, 32, 1, 4, 1))
     shipped_1024 = TileConfig(GemmTile(64, 64, 64, 1, 4, 1), GemmTile(64, 64, 64, 1, 4, 1))
@@ -356,7 +357,7 @@ def test_routing_cost_smoke_times_both_routings_and_bmm(tmp_path):
 def test_l2_read_checks_that_every_program_read_its_blocks(monkeypatch):
     from tools.experiments import l2_read
 
-    timer = bm.Timer(torch.device("cpu"), rep_ms=1.0, min_reps=1, max_reps=2)
+    timer = bc.Timer(torch.device("cpu"), rep_ms=1.0, min_reps=1, max_reps=2)
     assert l2_read.l2_read_Bps(timer, smoke=True) > 0
 
     class Skipped:  # a launch that reads nothing: the output keeps its NaN poison

@@ -53,7 +53,7 @@ import torch
 import torch.distributed as dist
 
 from moe_modular.config import MoEConfig, ParallelConfig
-from tools.benchmark_moe import write_csv
+from tools.bench_common import write_csv
 from moe_modular.interfaces import ActivationFormat
 from moe_modular.prepare_finalize.all_to_all_prepare_and_finalize import AllToAllPrepareAndFinalize
 from moe_modular.prepare_finalize.combine_wire import COMBINE_WIRES, CombineWire, combine_wire

@@ -84,7 +84,7 @@ def yardstick_us(M: int, topk: int, K: int, N: int, prefer_blockwise: bool, time
     fn, scaling = dense_pair(R, K, N, timer.device, prefer_blockwise)
     if fn is None:
         return None, scaling
-    from tools.benchmark_moe import capture_graph
+    from tools.bench_common import capture_graph
 
     graph = capture_graph([fn], timer.device)
     us = timer.median_s(graph.replay) * 1e6

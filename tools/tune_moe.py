@@ -35,7 +35,7 @@ from typing import Callable, Optional
 
 import torch
 
-from tools.benchmark_moe import (
+from tools.bench_common import (
     BENCH_MS,
     QUANTS,
     SHAPES,

@@ -23,7 +23,7 @@ from dataclasses import fields, replace
 
 import torch
 
-from tools.benchmark_moe import (
+from tools.bench_common import (
     QUANTS,
     SHAPES,
     SMOKE_SHAPES,

@@ -28,7 +28,7 @@ import sys
 import torch
 
 from tools.experiments.ab_tiles import time_variants, variant_times_us
-from tools.benchmark_moe import (
+from tools.bench_common import (
     QUANTS,
     capture_graph,
     make_inputs,

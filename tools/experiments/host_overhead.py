@@ -39,7 +39,7 @@ import time
 import torch
 
 from moe_modular.kernels.launcher import LAUNCH_MODES, launch_mode
-from tools.benchmark_moe import (
+from tools.bench_common import (
     QUANTS,
     capture_graph,
     make_inputs,
