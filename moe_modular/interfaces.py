@@ -20,8 +20,7 @@ from moe_modular.config import Activation, MoEConfig
 from moe_modular.quant import MoEQuantParams, QuantConfig
 
 if TYPE_CHECKING:
-    from moe_modular.prepare_finalize.combine_wire import CombineWire
-    from moe_modular.prepare_finalize.wire_bytes import PhaseBytes, RouteCounts
+    from moe_modular.wire_bytes import PhaseBytes, RouteCounts
 
 
 class ActivationFormat(enum.Enum):
@@ -143,11 +142,11 @@ class FusedMoEPrepareAndFinalizeModular(ABC):
         return False
 
     @classmethod
-    def wire_bytes(cls, moe: MoEConfig, counts: "RouteCounts", wire: "Optional[CombineWire]",
+    def wire_bytes(cls, moe: MoEConfig, counts: "RouteCounts", wire: Any,
                    experts_reduce: bool) -> "Optional[PhaseBytes]":
         """The bytes every rank sends to the other ranks in this PF's dispatch and combine under `counts`
-        (moe_modular/prepare_finalize/wire_bytes.py); `wire`: the combine wire, for a PF with several
-        (combine_wires()); experts_reduce: the experts sum each token's routes themselves. None (the default):
+        (moe_modular/wire_bytes.py); `wire`: the CombineWire, for a PF with several (combine_wires()), or None
+        for its default; experts_reduce: the experts sum each token's routes themselves. None (the default):
         not modelled, which is also the answer of a PF that moves nothing between ranks."""
         return None
 

@@ -21,7 +21,7 @@ from moe_modular.prepare_finalize.low_latency_all2all_prepare_and_finalize impor
 from moe_modular.prepare_finalize.naive_all2all_prepare_and_finalize import NaiveAll2AllPrepareAndFinalize
 from moe_modular.prepare_finalize.slice_allgather_prepare_and_finalize import SliceAllGatherPrepareAndFinalize
 from moe_modular.prepare_finalize.symm_mem_prepare_and_finalize import SymmMemPrepareAndFinalize
-from moe_modular.prepare_finalize.wire_bytes import PhaseBytes, RouteCounts
+from moe_modular.wire_bytes import PhaseBytes, RouteCounts
 from moe_modular.quant import QuantConfig
 from moe_modular.registry import NO_EP_BACKEND, PREPARE_FINALIZE_BY_BACKEND
 from tools import benchmark_ep as bep

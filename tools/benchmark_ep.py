@@ -59,7 +59,7 @@ from moe_modular.prepare_finalize.all_to_all_prepare_and_finalize import AllToAl
 from moe_modular.prepare_finalize.combine_wire import COMBINE_WIRES, CombineWire, combine_wire
 from moe_modular.prepare_finalize.ep_common import ExpertPlacementTables
 from moe_modular.prepare_finalize.slice_allgather_prepare_and_finalize import SliceAllGatherPrepareAndFinalize
-from moe_modular.prepare_finalize.wire_bytes import PhaseBytes, RouteCounts
+from moe_modular.wire_bytes import PhaseBytes, RouteCounts
 from moe_modular.quant import FP8_DTYPE, MoEQuantParams, QuantConfig, quantize_weights
 from moe_modular.registry import NO_EP_BACKEND, PREPARE_FINALIZE_BY_BACKEND
 

@@ -22,6 +22,7 @@ from moe_modular.prepare_finalize.combine_wire import COMBINE_WIRES, CombineWire
 from moe_modular.prepare_finalize.common import apply_weight_on_input, buffer_tag, check_micro_batch, finalize_handle
 from moe_modular.prepare_finalize.ep_common import (
     ExpertPlacementTables,
+    activation_row_bytes,
     activation_wire_dtype,
     local_expert_counts,
     masked_weights,
@@ -30,7 +31,7 @@ from moe_modular.prepare_finalize.ep_common import (
     token_row_format,
 )
 from moe_modular.prepare_finalize.ep_prepare_and_finalize import EPPrepareAndFinalize
-from moe_modular.prepare_finalize.wire_bytes import PhaseBytes, RouteCounts, activation_row_bytes
+from moe_modular.wire_bytes import PhaseBytes, RouteCounts
 from moe_modular.profiler_scope import phase
 from moe_modular.quant import MoEQuantParams, QuantConfig
 from moe_modular.weight_and_reduce import (

@@ -8,7 +8,8 @@ from typing import Optional
 
 from moe_modular.config import MoEConfig
 from moe_modular.prepare_finalize.naive_all2all_prepare_and_finalize import NaiveAll2AllPrepareAndFinalize
-from moe_modular.prepare_finalize.wire_bytes import FLOAT32_BYTES, PhaseBytes, RouteCounts, activation_row_bytes
+from moe_modular.prepare_finalize.ep_common import activation_row_bytes
+from moe_modular.wire_bytes import FLOAT32_BYTES, PhaseBytes, RouteCounts
 
 
 class AllGatherReduceScatterPrepareAndFinalize(NaiveAll2AllPrepareAndFinalize):

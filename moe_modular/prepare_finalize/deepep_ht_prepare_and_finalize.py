@@ -38,7 +38,7 @@ from moe_modular.prepare_finalize.ep_common import (
     scale_width,
 )
 from moe_modular.prepare_finalize.ep_prepare_and_finalize import EPPrepareAndFinalize
-from moe_modular.prepare_finalize.wire_bytes import PhaseBytes, RouteCounts, token_row_bytes
+from moe_modular.wire_bytes import PhaseBytes, RouteCounts, token_row_bytes
 from moe_modular.profiler_scope import phase
 from moe_modular.quant import FP8_DTYPE, ActivationQuant, MoEQuantParams, QuantConfig, quantize_activations
 from moe_modular.weight_and_reduce import (

@@ -27,6 +27,7 @@ from moe_modular.quant import (
     scale_from_amax,
 )
 from moe_modular.routing import make_expert_map
+from moe_modular.wire_bytes import token_row_bytes
 
 
 @dataclass(frozen=True)
@@ -135,3 +136,8 @@ def local_expert_counts(local_ids_Rk: torch.Tensor, num_local_experts: int) -> t
     counts.scatter_add_(0, torch.where(valid, ids, torch.full_like(ids, num_local_experts)),
                         torch.ones_like(ids, dtype=torch.int32))
     return counts[:num_local_experts]
+
+
+def activation_row_bytes(moe: MoEConfig, fp8: bool) -> int:
+    """A dispatched row of this package's PFs: K elements plus the scales that travel with it (none unquantized)."""
+    return token_row_bytes(moe.hidden_dim, fp8, moe.dtype, scale_width(moe.quant, moe.hidden_dim) if fp8 else 0)

@@ -21,13 +21,14 @@ from moe_modular.interfaces import (
 from moe_modular.prepare_finalize.common import apply_weight_on_input, buffer_tag, check_micro_batch, finalize_handle
 from moe_modular.prepare_finalize.ep_common import (
     ExpertPlacementTables,
+    activation_row_bytes,
     activation_wire_dtype,
     quantize_for_dispatch,
     scale_width,
     token_row_format,
 )
 from moe_modular.prepare_finalize.ep_prepare_and_finalize import EPPrepareAndFinalize
-from moe_modular.prepare_finalize.wire_bytes import PhaseBytes, RouteCounts, activation_row_bytes
+from moe_modular.wire_bytes import PhaseBytes, RouteCounts
 from moe_modular.profiler_scope import phase
 from moe_modular.quant import MoEQuantParams, QuantConfig
 from moe_modular.weight_and_reduce import TopKWeightAndReduceNaiveBatched, resolve_weight_and_reduce

@@ -21,13 +21,14 @@ from moe_modular.interfaces import (
 from moe_modular.prepare_finalize.common import apply_weight_on_input, buffer_tag, check_micro_batch, finalize_handle
 from moe_modular.prepare_finalize.ep_common import (
     ExpertPlacementTables,
+    activation_row_bytes,
     local_expert_counts,
     masked_weights,
     scale_width,
     token_row_format,
 )
 from moe_modular.prepare_finalize.ep_prepare_and_finalize import EPPrepareAndFinalize
-from moe_modular.prepare_finalize.wire_bytes import FLOAT32_BYTES, PhaseBytes, RouteCounts, activation_row_bytes
+from moe_modular.wire_bytes import FLOAT32_BYTES, PhaseBytes, RouteCounts
 from moe_modular.profiler_scope import phase
 from moe_modular.quant import FP8_DTYPE, ActivationQuant, MoEQuantParams, QuantConfig, quantize_activations
 from moe_modular.weight_and_reduce import (

@@ -18,7 +18,7 @@ from moe_modular.interfaces import ActivationFormat, FusedMoEPrepareAndFinalizeM
 from moe_modular.prepare_finalize.all_to_all_prepare_and_finalize import AllToAllPrepareAndFinalize
 from moe_modular.prepare_finalize.common import finalize_handle
 from moe_modular.prepare_finalize.ep_common import check_context
-from moe_modular.prepare_finalize.wire_bytes import PhaseBytes, RouteCounts
+from moe_modular.wire_bytes import PhaseBytes, RouteCounts
 from moe_modular.quant import MoEQuantParams, QuantConfig
 
 

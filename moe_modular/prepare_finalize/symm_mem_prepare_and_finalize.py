@@ -29,12 +29,13 @@ from moe_modular.prepare_finalize.common import apply_weight_on_input, check_mic
 from moe_modular.prepare_finalize.deepep_common import linear_expert_table
 from moe_modular.prepare_finalize.ep_common import (
     ExpertPlacementTables,
+    activation_row_bytes,
     activation_wire_dtype,
     quantize_for_dispatch,
     scale_width,
 )
 from moe_modular.prepare_finalize.ep_prepare_and_finalize import EPPrepareAndFinalize
-from moe_modular.prepare_finalize.wire_bytes import PhaseBytes, RouteCounts, activation_row_bytes
+from moe_modular.wire_bytes import PhaseBytes, RouteCounts
 from moe_modular.profiler_scope import phase
 from moe_modular.quant import MoEQuantParams, QuantConfig
 from moe_modular.weight_and_reduce import (

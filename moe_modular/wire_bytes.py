@@ -13,9 +13,7 @@ from typing import Sequence
 
 import torch
 
-from moe_modular.config import MoEConfig
-from moe_modular.prepare_finalize.ep_common import scale_width
-from moe_modular.quant import FP8_DTYPE
+from moe_modular.fp8_format import FP8_DTYPE
 
 FLOAT32_BYTES = 4
 
@@ -68,8 +66,3 @@ class PhaseBytes:
 def token_row_bytes(hidden: int, fp8: bool, dtype: torch.dtype, scale_elems: int) -> int:
     """One dispatched token: hidden elements (1 byte in fp8, else dtype's size) + float32 scales."""
     return hidden * (FP8_DTYPE.itemsize if fp8 else dtype.itemsize) + scale_elems * FLOAT32_BYTES
-
-
-def activation_row_bytes(moe: MoEConfig, fp8: bool) -> int:
-    """A row of this package's PFs: K elements plus the scales that travel with it (none unquantized)."""
-    return token_row_bytes(moe.hidden_dim, fp8, moe.dtype, scale_width(moe.quant, moe.hidden_dim) if fp8 else 0)
