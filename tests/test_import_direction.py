@@ -191,3 +191,18 @@ def test_importing_the_harness_chooses_no_interpreter():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     done = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
+
+
+def test_the_installed_command_line_chooses_the_interpreter_itself(tmp_path):
+    """`python -m moe_modular.testing.cli`, run outside the checkout with no TRITON_INTERPRET set: its main chooses
+    Triton's interpreter on a machine without a GPU before a kernel is imported, so a Triton pair passes."""
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = REPO + os.pathsep + env.get("PYTHONPATH", "")
+    done = subprocess.run([sys.executable, "-m", "moe_modular.testing.cli", "--pf-type", "MoEPrepareAndFinalizeNoEP",
+                           "--experts-type", "TritonExperts", "-m", "3", "--topk", "2", "--dtype", "bfloat16"],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    assert "1 passed, 0 failed" in done.stdout

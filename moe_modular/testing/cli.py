@@ -1,6 +1,7 @@
 """The combinations-matrix command line: check PrepareAndFinalize x Experts pairs against the float32 oracle.
 
-  python -m tests.test_modular_kernel_combinations --pf-type X --experts-type Y [--world-size N]
+  python -m tests.test_modular_kernel_combinations --pf-type X --experts-type Y [--world-size N]   # a checkout
+  python -m moe_modular.testing.cli ...                                                          # an install
       [-m M ...] [-k K] [-n N] [--num-experts E] [--topk k ...] [--dtype D] [--quant-dtype fp8]
       [--per-token-quantized-activations] [--per-channel-quantized-weights] [--block-shape B B]
 
@@ -196,3 +197,7 @@ def _print_summary(rows, skipped) -> None:
               f"{dtype_name(cfg.dtype) + '/' + cfg.quant.name:28s} {cfg.world_size:3d} {worst:9.2e} "
               f"{(o.results[0].tolerance if o.results else float('nan')):8.1e} {result}")
     print(f"skipped cells: {len(skipped)} (invalid pairs, each with its reason: use --pf-type/--experts-type to see one)")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
