@@ -164,7 +164,7 @@ def _single_gpu_worker(pgi, sink_path: str) -> None:
         pf = DeepEPLLPrepareAndFinalize.make(moe, ctx)
         hooks = []
         start = pf.prepare_no_receive
-        pf.prepare_no_receive = lambda *a: hooks.append(1) or start(*a)
+        pf.prepare_no_receive = lambda *a, **kw: hooks.append(1) or start(*a, **kw)
         kernel = FusedMoEModularKernel(pf, NaiveBatchedExperts.for_prepare_finalize(moe, inp.quant, pf),
                                        shared_experts=lambda h: h * 2, check_inputs=True)
         shared, out = kernel(inp.x, inp.w1, inp.w2, inp.topk_weights, inp.topk_ids, global_num_experts=cfg.E)
