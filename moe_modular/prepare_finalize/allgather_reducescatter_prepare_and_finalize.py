@@ -6,10 +6,7 @@ from __future__ import annotations
 
 from typing import Optional
 
-from moe_modular.config import MoEConfig
 from moe_modular.prepare_finalize.naive_all2all_prepare_and_finalize import NaiveAll2AllPrepareAndFinalize
-from moe_modular.prepare_finalize.ep_common import activation_row_bytes
-from moe_modular.wire_bytes import FLOAT32_BYTES, PhaseBytes, RouteCounts
 
 
 class AllGatherReduceScatterPrepareAndFinalize(NaiveAll2AllPrepareAndFinalize):
@@ -20,13 +17,7 @@ class AllGatherReduceScatterPrepareAndFinalize(NaiveAll2AllPrepareAndFinalize):
     elsewhere, and are called with expert_map=None."""
 
     BACKEND = "allgather_reducescatter"
-
-    @classmethod
-    def wire_bytes(cls, moe: MoEConfig, counts: RouteCounts, wire, experts_reduce: bool) -> PhaseBytes:
-        """All-gather of T rows per rank; reduce-scatter of (W*T, K) float32 partials ((W-1)*T*K per rank)."""
-        W, T, K = counts.world_size, counts.tokens_per_rank, moe.hidden_dim
-        row = activation_row_bytes(moe, moe.quant.is_quantized and cls.quantizes_before_dispatch(moe.quant))
-        return PhaseBytes.of([(W - 1) * T * row] * W, [(W - 1) * T * K * FLOAT32_BYTES] * W)
+    COMBINE_PARTIAL_SENDS = 1  # a reduce-scatter sends (W-1) * T * K of the partial sums per rank
 
     @classmethod
     def vllm_all2all_backend(cls) -> Optional[str]:

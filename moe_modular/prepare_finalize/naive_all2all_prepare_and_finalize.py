@@ -64,6 +64,9 @@ class NaiveAll2AllPrepareAndFinalize(EPPrepareAndFinalize):
     """
 
     BACKEND = "naive"
+    # The combine's float32 partial sums a rank sends, in units of (W-1) * T * K: a ring all-reduce sends twice what a
+    # reduce-scatter does.
+    COMBINE_PARTIAL_SENDS = 2
 
     def __init__(self, moe: MoEConfig, manager: All2AllManager) -> None:
         super().__init__(moe, manager)
@@ -89,11 +92,11 @@ class NaiveAll2AllPrepareAndFinalize(EPPrepareAndFinalize):
 
     @classmethod
     def wire_bytes(cls, moe: MoEConfig, counts: RouteCounts, wire, experts_reduce: bool) -> PhaseBytes:
-        """Broadcasts + all-reduce: every rank receives the other W-1 ranks' T rows; the combine all-reduces
-        (W*T, K) float32 partial sums (a ring moves 2(W-1)/W of the buffer per rank)."""
+        """The gather: every rank receives the other W-1 ranks' T rows; the combine: the (W*T, K) float32 partial
+        sums summed over ranks, COMBINE_PARTIAL_SENDS * (W-1) * T * K values sent per rank."""
         W, T, K = counts.world_size, counts.tokens_per_rank, moe.hidden_dim
         row = activation_row_bytes(moe, moe.quant.is_quantized and cls.quantizes_before_dispatch(moe.quant))
-        return PhaseBytes.of([(W - 1) * T * row] * W, [2 * (W - 1) * T * K * FLOAT32_BYTES] * W)
+        return PhaseBytes.of([(W - 1) * T * row] * W, [cls.COMBINE_PARTIAL_SENDS * (W - 1) * T * K * FLOAT32_BYTES] * W)
 
     @classmethod
     def vllm_all2all_backend(cls) -> Optional[str]:

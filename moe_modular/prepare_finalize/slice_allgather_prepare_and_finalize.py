@@ -68,7 +68,7 @@ class SliceAllGatherPrepareAndFinalize(FusedMoEPrepareAndFinalizeModular):
 
     @classmethod
     def combine_wires(cls) -> tuple[str, ...]:
-        """The default inner PF's (make_with_wire builds it with one)."""
+        """The default inner PF's (AllToAllPrepareAndFinalize.make(..., combine_wire=...) builds it with one)."""
         return AllToAllPrepareAndFinalize.combine_wires()
 
     @classmethod

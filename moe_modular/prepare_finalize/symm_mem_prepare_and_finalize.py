@@ -209,7 +209,8 @@ class SymmMemPrepareAndFinalize(EPPrepareAndFinalize):
         cin.index_copy_(0, st.recv_pos_R, wire_RK.view(torch.uint8).reshape(R, K * wire_RK.element_size()))
         S = st.route_S.numel()
         with phase("combine"):
-            back_SK = self.manager.combine_2d(self.handle, S, slot=st.micro_batch).contiguous().view(self.combine_dtype).reshape(S, K)
+            back_SB = self.manager.combine_2d(self.handle, S, slot=st.micro_batch)
+            back_SK = back_SB.contiguous().view(self.combine_dtype).reshape(S, K)
         acc = torch.zeros((st.T * st.k, K), dtype=torch.float32, device=back_SK.device)
         acc.index_copy_(0, st.route_S, back_SK.float())
         output.copy_(acc.view(st.T, st.k, K).sum(dim=1).to(output.dtype))
