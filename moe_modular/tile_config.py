@@ -29,21 +29,23 @@ from __future__ import annotations
 
 import math
 import os
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Optional
 
 import torch
 
 from moe_modular.config import dtype_name
-from moe_modular.kernels.moe_gemm import PERSISTENT_MODES, GemmTile
+from moe_modular.kernels.gemm_config import DEFAULT_LAUNCH, GemmTile, LaunchOptions
 from moe_modular.quant import QuantConfig
 
 CONFIG_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs")
 CPU_DEVICE_NAME = "cpu"
-_TILE_FIELDS = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "num_warps", "num_stages", "b_tma", "a_tma", "act_q",
-                "persistent", "ws", "pdl")
-_FLAG_FIELDS = ("b_tma", "a_tma", "act_q", "ws", "pdl")  # 0 / 1, listed in tables only where 1
-_OFF_BY_DEFAULT = _FLAG_FIELDS + ("persistent",)  # 0 = off; listed in tables only where set
+_SHAPE_FIELDS = tuple(f.name for f in fields(GemmTile))
+_LAUNCH_FIELDS = tuple(f.name for f in fields(LaunchOptions))
+# A table entry's fields in the order tables list them; the launch options and act_q (0 = off) only where set.
+TILE_FIELDS = _SHAPE_FIELDS + ("b_tma", "a_tma", "act_q", "persistent", "ws", "pdl")
+GEMMS = ("gemm1", "gemm2")
+_OFF_BY_DEFAULT = _LAUNCH_FIELDS + ("act_q",)
 # Table names (device_name) of Hopper-class GPUs: there the default heuristic's compute-bound tiles are the ones
 # the tuned tables chose on the H100 and H200, the warp-specialized kernels included.
 HOPPER_DEVICE_PREFIXES = ("NVIDIA_H100", "NVIDIA_H200", "NVIDIA_H800", "NVIDIA_H20", "NVIDIA_GH200")
@@ -71,10 +73,17 @@ class TileKey:
 
 @dataclass(frozen=True)
 class TileConfig:
-    """Tiles of both grouped GEMMs of one forward; they share BLOCK_M (the alignment block)."""
+    """Tiles and launch options of both grouped GEMMs of one forward; they share BLOCK_M (the alignment block).
+
+    act_q: 1 (fp8-block, standard format) runs the activation and its 1 x group quantization of the intermediate in
+    the first GEMM's epilogue.
+    """
 
     gemm1: GemmTile
     gemm2: GemmTile
+    launch1: LaunchOptions = DEFAULT_LAUNCH
+    launch2: LaunchOptions = DEFAULT_LAUNCH
+    act_q: int = 0
 
     def __post_init__(self) -> None:
         if self.gemm1.BLOCK_M != self.gemm2.BLOCK_M:
@@ -89,11 +98,8 @@ class TileConfig:
                 v = getattr(tile, f)
                 if not isinstance(v, int) or v < 1:
                     raise ValueError(f"TileConfig.{name}.{f} ({v!r}) must be an int >= 1")
-            for f in _FLAG_FIELDS:
-                if getattr(tile, f) not in (0, 1):
-                    raise ValueError(f"TileConfig.{name}.{f} ({getattr(tile, f)!r}) must be 0 or 1")
-            if tile.persistent not in PERSISTENT_MODES:
-                raise ValueError(f"TileConfig.{name}.persistent ({tile.persistent!r}) must be one of {PERSISTENT_MODES}")
+        if self.act_q not in (0, 1):
+            raise ValueError(f"TileConfig.act_q ({self.act_q!r}) must be 0 or 1")
 
     @property
     def block_m(self) -> int:
@@ -101,32 +107,59 @@ class TileConfig:
 
     @classmethod
     def from_dict(cls, d: dict) -> "TileConfig":
-        unknown = set(d) - set(_TILE_FIELDS) - {"gemm2"}
+        """A table entry: the first GEMM's tile and launch fields and act_q flat, the second GEMM's differences
+        under gemm2 (not BLOCK_M, not act_q)."""
+        unknown = set(d) - set(TILE_FIELDS) - {"gemm2"}
         if unknown:
-            raise ValueError(f"tile entry has unknown fields {sorted(unknown)}; allowed: {list(_TILE_FIELDS)} + gemm2")
-        base = GemmTile(**{f: int(d[f]) for f in _TILE_FIELDS if f in d})
+            raise ValueError(f"tile entry has unknown fields {sorted(unknown)}; allowed: {list(TILE_FIELDS)} + gemm2")
         over = dict(d.get("gemm2") or {})
-        if "BLOCK_M" in over:
-            raise ValueError("tile entry gemm2 may not override BLOCK_M (both GEMMs share the alignment block)")
-        bad = set(over) - set(_TILE_FIELDS)
+        for f in ("BLOCK_M", "act_q"):
+            if f in over:
+                raise ValueError(f"tile entry gemm2 may not override {f} (both GEMMs share the alignment block; act_q "
+                                 f"is the first GEMM's epilogue)")
+        allowed = _SHAPE_FIELDS[1:] + _LAUNCH_FIELDS
+        bad = set(over) - set(allowed)
         if bad:
-            raise ValueError(f"tile entry gemm2 has unknown fields {sorted(bad)}; allowed: {list(_TILE_FIELDS[1:])}")
-        return cls(base, replace(base, **{k: int(v) for k, v in over.items()}))
+            raise ValueError(f"tile entry gemm2 has unknown fields {sorted(bad)}; allowed: {list(allowed)}")
+        first = {f: int(d[f]) for f in TILE_FIELDS if f in d}
+        return cls.from_gemm_fields(first, {**first, **{k: int(v) for k, v in over.items()}})
+
+    @classmethod
+    def from_gemm_fields(cls, first: dict, second: dict) -> "TileConfig":
+        """From each GEMM's flat fields (TILE_FIELDS; absent ones take their defaults); act_q is the first GEMM's,
+        and the second's, where given, must be the same."""
+        act_q = first.get("act_q", 0)
+        if second.get("act_q", act_q) != act_q:
+            raise ValueError(f"act_q is the first GEMM's epilogue: gemm2's act_q ({second['act_q']!r}) must equal "
+                             f"gemm1's ({act_q!r})")
+        return cls(_pick(GemmTile, _SHAPE_FIELDS, first), _pick(GemmTile, _SHAPE_FIELDS, second),
+                   _pick(LaunchOptions, _LAUNCH_FIELDS, first), _pick(LaunchOptions, _LAUNCH_FIELDS, second), act_q)
+
+    def gemm_fields(self, which: str) -> dict:
+        """The flat fields (TILE_FIELDS) of "gemm1" or "gemm2": its tile, its launch options and act_q."""
+        if which not in GEMMS:
+            raise ValueError(f"which ({which!r}) must be one of {list(GEMMS)}")
+        tile, launch = (self.gemm1, self.launch1) if which == "gemm1" else (self.gemm2, self.launch2)
+        d = {**asdict(tile), **asdict(launch), "act_q": self.act_q}
+        return {f: d[f] for f in TILE_FIELDS}
 
     def to_dict(self) -> dict:
-        d = asdict(self.gemm1)
-        over = {k: v for k, v in asdict(self.gemm2).items() if d[k] != v}
-        for f in _OFF_BY_DEFAULT:  # 0 is the default; tables list these only where set
-            if not d[f]:
-                del d[f]
+        """The table entry (from_dict's spelling)."""
+        d, second = self.gemm_fields("gemm1"), self.gemm_fields("gemm2")
+        over = {k: v for k, v in second.items() if d[k] != v}
+        d = {k: v for k, v in d.items() if k not in _OFF_BY_DEFAULT or v}  # tables list flags only where set
         if over:
             d["gemm2"] = over
         return d
 
     def with_block_k_limit(self, limit: int) -> "TileConfig":
         """The same tiles with BLOCK_K capped at `limit` (a group size the K tiles must not straddle)."""
-        return TileConfig(replace(self.gemm1, BLOCK_K=min(self.gemm1.BLOCK_K, limit)),
-                          replace(self.gemm2, BLOCK_K=min(self.gemm2.BLOCK_K, limit)))
+        return replace(self, gemm1=replace(self.gemm1, BLOCK_K=min(self.gemm1.BLOCK_K, limit)),
+                       gemm2=replace(self.gemm2, BLOCK_K=min(self.gemm2.BLOCK_K, limit)))
+
+
+def _pick(cls, names: tuple[str, ...], values: dict):
+    return cls(**{f: values[f] for f in names if f in values})
 
 
 def _pow2_at_most(x: int, cap: int, floor: int = 16) -> int:
@@ -178,14 +211,14 @@ def hopper_compute_tile(dtype: torch.dtype, quant: QuantConfig, device: str) -> 
     if not device.startswith(HOPPER_DEVICE_PREFIXES) or dtype not in (torch.bfloat16, torch.float16):
         return None
     if not quant.is_quantized:
-        tile = GemmTile(128, 256, 64, 8, 8, 4, a_tma=1, ws=1)
-        return TileConfig(tile, tile)
+        tile, launch = GemmTile(128, 256, 64, 8, 8, 4), LaunchOptions(a_tma=1, ws=1)
+        return TileConfig(tile, tile, launch, launch)
     if quant == QuantConfig.fp8_block((128, 128)):
-        gemm1 = GemmTile(128, 256, 128, 8, 8, 3, act_q=1, ws=1)
-        return TileConfig(gemm1, replace(gemm1, BLOCK_N=128))
+        gemm1, launch = GemmTile(128, 256, 128, 8, 8, 3), LaunchOptions(ws=1)
+        return TileConfig(gemm1, replace(gemm1, BLOCK_N=128), launch, launch, act_q=1)
     if quant == QuantConfig.fp8_per_token():
-        tile = GemmTile(128, 128, 128, 8, 8, 3, ws=1)
-        return TileConfig(tile, tile)
+        tile, launch = GemmTile(128, 128, 128, 8, 8, 3), LaunchOptions(ws=1)
+        return TileConfig(tile, tile, launch, launch)
     return None
 
 

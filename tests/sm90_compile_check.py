@@ -5,7 +5,7 @@
     TRITON_INTERPRET=0 python -m tests.sm90_compile_check wsfp8 FUSED GATHER SCALES
 
 ws: moe_gemm_ws's Gluon kernel: {"wgmma": bool, "cp_async_arrive": bool, "shared": bytes, "local_bytes": int
-or null}. pdl: moe_gemm's Triton kernel as a second GEMM launched with tile.pdl (per-route or standard blocks,
+or null}. pdl: moe_gemm's Triton kernel as a second GEMM launched with LaunchOptions.pdl (per-route or standard blocks,
 persistent or not): {"wait": n, "launch_dependents": n, "launch_pdl": bool}, the counts of griddepcontrol.wait
 and griddepcontrol.launch_dependents in its PTX.
 
@@ -34,7 +34,7 @@ from triton.runtime.jit import mangle_type
 from moe_modular.kernels import moe_gemm as G
 from moe_modular.kernels import moe_gemm_ws as W
 from moe_modular.kernels import moe_gemm_ws_fp8 as F
-from moe_modular.kernels.moe_gemm import GemmTile
+from moe_modular.kernels.gemm_config import GemmTile
 
 TARGET = GPUTarget("cuda", 90, 32)
 
@@ -92,7 +92,7 @@ def compile_ws_fp8(fused: bool, gather: bool, scales: int):
 
 
 def compile_pdl_gemm2(per_route: bool, persistent: int):
-    """moe_gemm's kernel for sm_90a as a Qwen3-sized bf16 second GEMM with tile.pdl would launch it."""
+    """moe_gemm's kernel for sm_90a as a Qwen3-sized bf16 second GEMM with LaunchOptions.pdl would launch it."""
     b = torch.empty(8, 2048, 768, dtype=torch.bfloat16)
     tensors = dict(a_ptr=torch.empty(64, 768, dtype=torch.bfloat16), b_ptr=b,
                    c_ptr=torch.empty(64, 2048, dtype=torch.bfloat16), topk_weights_ptr=torch.empty(8, 8))

@@ -141,7 +141,7 @@ def test_tune_smoke_writes_a_table_tile_config_reads(tmp_path):
 def test_tune_merge_keeps_untuned_buckets_and_times_the_shipped_tile(tmp_path, monkeypatch):
     yaml = pytest.importorskip("yaml")
     from moe_modular import tile_config
-    from moe_modular.kernels.moe_gemm import GemmTile
+    from moe_modular.kernels.gemm_config import GemmTile
     from moe_modular.tile_config import TileConfig, TileConfigTable
     from tools import tune_moe
 
@@ -169,28 +169,31 @@ def test_tune_merge_keeps_untuned_buckets_and_times_the_shipped_tile(tmp_path, m
 
 
 def test_tune_launch_options_follow_the_device_and_the_tiles():
-    from moe_modular.kernels.moe_gemm import GemmTile
+    from moe_modular.kernels.gemm_config import GemmTile, LaunchOptions
     from moe_modular.tile_config import TileConfig
     from tools import tune_moe
 
-    wide = TileConfig(GemmTile(128, 256, 64, 8, 8, 4, b_tma=1), GemmTile(128, 256, 64, 8, 8, 4))
+    tile = GemmTile(128, 256, 64, 8, 8, 4)
+    wide = TileConfig(tile, tile, LaunchOptions(b_tma=1))
     got = tune_moe.launch_options(wide, hopper=True, unquantized=True)
-    assert [(c.gemm1.pdl, c.gemm2.pdl, c.gemm2.persistent, c.gemm1.ws, c.gemm2.ws, c.gemm1.a_tma) for c in got] == [
-        (0, 0, 2, 0, 0, 0), (0, 1, 0, 0, 0, 0), (1, 1, 0, 0, 0, 0), (0, 0, 0, 1, 1, 1)]
+    assert [(c.launch1.pdl, c.launch2.pdl, c.launch2.persistent, c.launch1.ws, c.launch2.ws, c.launch1.a_tma,
+             c.launch1.b_tma) for c in got] == [
+        (0, 0, 2, 0, 0, 0, 1), (0, 1, 0, 0, 0, 0, 1), (1, 1, 0, 0, 0, 0, 1), (0, 0, 0, 1, 1, 1, 1)]
+    assert all(c.gemm1 == c.gemm2 == tile for c in got)
     assert len(got) <= tune_moe.MAX_LAUNCH_OPTIONS
     # no warp-specialized kernel for fp8 or for 16-row tiles; before Hopper only the persistent launch; a
     # best that already has an option is not timed again
     assert len(tune_moe.launch_options(wide, hopper=True, unquantized=False)) == 3
-    narrow = TileConfig(GemmTile(16, 64, 128), GemmTile(16, 64, 128, persistent=2))
-    assert [c.gemm2.pdl for c in tune_moe.launch_options(narrow, hopper=True, unquantized=True)] == [1, 1]
+    narrow = TileConfig(GemmTile(16, 64, 128), GemmTile(16, 64, 128), launch2=LaunchOptions(persistent=2))
+    assert [c.launch2.pdl for c in tune_moe.launch_options(narrow, hopper=True, unquantized=True)] == [1, 1]
     assert tune_moe.launch_options(wide, hopper=False, unquantized=True) == [
-        TileConfig(wide.gemm1, GemmTile(128, 256, 64, 8, 8, 4, persistent=2))]
+        TileConfig(tile, tile, LaunchOptions(b_tma=1), LaunchOptions(persistent=2))]
 
 
 def test_tune_gemm2_candidates_skip_what_was_timed():
     from tools import tune_moe
 
-    flags = (0, 0, 1)  # b_tma, a_tma, act_q: the last three GemmTile fields
+    flags = (0, 0, 1)  # b_tma, a_tma, act_q: the last three candidate fields
     best = (16, 64, 128, 1, 4, 4) + flags
     pool = [best, (16, 32, 128, 1, 4, 4, 0, 0, 0), (32, 64, 64, 1, 4, 4, 1, 0, 0)]
     # stage 2 keeps best's BLOCK_M and act_q (a first-GEMM option), drops best itself and the second-GEMM
@@ -203,12 +206,14 @@ def test_tune_gemm2_candidates_skip_what_was_timed():
     deep = [(16, 64, 256, 1, 4, 4, 0, 0, 0), (16, 32, 128, 1, 4, 4, 0, 0, 0)]
     fits = lambda t: tune_moe._fits(t, 2, 1024.0, None)  # noqa: E731
     assert tune_moe.gemm2_candidates(wide, deep, fits=fits) == [(128, 32, 128, 1, 4, 4, 0, 0, 0)]
-    # a tile with fields the tuner does not sweep (persistent): its candidate tuple is best's, act_q last
-    from moe_modular.kernels.moe_gemm import GemmTile
+    # a configuration with fields the tuner does not sweep (persistent): its candidate tuple is best's, act_q last
+    from moe_modular.kernels.gemm_config import GemmTile, LaunchOptions
+    from moe_modular.tile_config import TileConfig
 
-    g1 = GemmTile(16, 64, 128, 1, 4, 4, act_q=1, persistent=2)
-    assert tune_moe._tuned(g1) == best
-    assert tune_moe._tile(best) == GemmTile(16, 64, 128, 1, 4, 4, act_q=1)
+    tile = GemmTile(16, 64, 128, 1, 4, 4)
+    cfg = TileConfig(tile, tile, LaunchOptions(persistent=2), act_q=1)
+    assert tune_moe._tuned(cfg, "gemm1") == best
+    assert tune_moe._config(best, best) == TileConfig(tile, tile, act_q=1)
 
 
 def test_tune_space_is_pruned():
@@ -222,7 +227,7 @@ def test_tune_space_is_pruned():
     for t in tune_moe.candidates("full", 2, 1024.0, None, None, 0):
         assert t[5] * (t[0] * t[2] + t[2] * t[1]) * 2 <= tune_moe.SMEM_BYTES
     assert len(tune_moe.candidates("full", 2, 1024.0, None, 7, 0)) == 7
-    # each tile once per weight-load path, activation-load path and act_q, the three last GemmTile fields
+    # each tile once per weight-load path, activation-load path and act_q, the three last candidate fields
     one, both = (tune_moe.candidates("small", 2, 64.0, None, None, 0, b_tma) for b_tma in ((0,), (0, 1)))
     assert {t[-3:] for t in one} == {(0, 0, 0)}
     assert sorted(both) == sorted(one + [t[:-3] + (1, 0, 0) for t in one])
@@ -271,16 +276,19 @@ def test_ab_tiles_rejects_bad_overrides(token, message):
 
 
 def test_ab_tiles_overrides_apply_per_gemm_and_are_validated():
-    from moe_modular.kernels.moe_gemm import GemmTile
+    from moe_modular.kernels.gemm_config import GemmTile, LaunchOptions
     from moe_modular.tile_config import TileConfig
     from tools.experiments import ab_tiles
 
     base = TileConfig(GemmTile(64, 128, 64, 8, 4, 3), GemmTile(64, 64, 128, 1, 4, 3))
     both = ab_tiles.apply_overrides(base, [ab_tiles.parse_override("b_tma=1"),
                                            ab_tiles.parse_override("gemm2.num_stages=4")])
-    assert both.gemm1 == GemmTile(64, 128, 64, 8, 4, 3, 1) and both.gemm2 == GemmTile(64, 64, 128, 1, 4, 4, 1)
+    assert both == TileConfig(GemmTile(64, 128, 64, 8, 4, 3), GemmTile(64, 64, 128, 1, 4, 4), LaunchOptions(b_tma=1),
+                              LaunchOptions(b_tma=1))
     with pytest.raises(ValueError, match="power of two"):
         ab_tiles.apply_overrides(base, [ab_tiles.parse_override("gemm1.BLOCK_N=96")])
+    with pytest.raises(ValueError, match=r"gemm2's act_q \(1\) must equal gemm1's \(0\)"):
+        ab_tiles.apply_overrides(base, [ab_tiles.parse_override("gemm2.act_q=1")])
 
 
 def test_ab_tiles_reports_a_variant_that_cannot_run_and_keeps_timing_the_others():

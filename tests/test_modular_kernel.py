@@ -138,7 +138,7 @@ def test_workspace_views_are_memoized_per_buffer():
 
 def test_carve_is_memoized_per_workspace():
     """WorkspaceLayout.carve: the same views for the same memory; another workspace gets its own."""
-    from moe_modular.experts.triton_common import WorkspaceLayout
+    from moe_modular.experts.triton_plan import WorkspaceLayout
 
     layout = WorkspaceLayout().add("a", (4, 3), torch.float32).add("b", (5,), torch.int32)
     ws = torch.empty(layout.numel(torch.float32))

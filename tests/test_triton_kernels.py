@@ -16,7 +16,18 @@ from moe_modular.activation import act_and_mul_torch
 from moe_modular.config import Activation
 from moe_modular.kernels.act_and_mul import IntermediateQuant, RowMode, act_and_mul
 from moe_modular.kernels.moe_align import ALIGN_BLOCK, align_workspace_numel, moe_align, moe_align_torch
-from moe_modular.kernels.moe_gemm import AScale, BScale, GemmTile, gpu_has_tma, moe_gemm, moe_gemm_torch
+from moe_modular.kernels.gemm_config import (
+    AScale,
+    BatchedRows,
+    BScale,
+    GemmEpilogue,
+    GemmScales,
+    GemmTile,
+    LaunchOptions,
+    RouteRows,
+    SortedRows,
+)
+from moe_modular.kernels.moe_gemm import gpu_has_tma, moe_gemm, moe_gemm_torch
 from moe_modular.kernels.moe_sum import moe_sum, moe_sum_torch
 from moe_modular.quant import FP8_DTYPE, QuantConfig, expand_group_scale, quantize_activations, quantize_weights
 
@@ -140,14 +151,14 @@ def test_moe_gemm_standard_matches_oracle(dtype, qc, b_tma):
     xq, xs, wq, ws = _gemm_inputs(T, K, E, No, dtype, qc, seed=3)
     ids = torch.randint(0, E, (T, k), generator=_gen(4), dtype=torch.int32)
     topk_w = torch.rand(T, k, generator=_gen(5))
-    tile = GemmTile(16, 32, 32 if qc.is_block else 64, 1, 4, 2, b_tma)
+    tile = GemmTile(16, 32, 32 if qc.is_block else 64, 1, 4, 2)
     sorted_ids, block_expert, npp = moe_align(ids.to(DEVICE), tile.BLOCK_M, E)
     c = torch.full((T * k, No), float("nan"), dtype=dtype, device=DEVICE)
     a_mode, b_mode = _MODES.get(qc.name, (AScale.GROUP, BScale.BLOCK))
-    moe_gemm(xq.to(DEVICE), wq.to(DEVICE), c, tile, a_scale=None if xs is None else xs.to(DEVICE), a_scale_mode=a_mode,
-             b_scale=None if ws is None else ws.to(DEVICE), b_scale_mode=b_mode,
-             group_shape=qc.block_shape or (1, 1), topk_weights_Tk=topk_w.to(DEVICE), sorted_ids_S=sorted_ids,
-             block_expert_Mb=block_expert, num_post_padded=npp, a_row_div=k, num_routes=T * k)
+    scales = GemmScales(None if xs is None else xs.to(DEVICE), a_mode, None if ws is None else ws.to(DEVICE), b_mode,
+                        qc.block_shape or (1, 1))
+    moe_gemm(xq.to(DEVICE), wq.to(DEVICE), c, tile, SortedRows(sorted_ids, block_expert, npp, T * k, k), scales=scales,
+             epilogue=GemmEpilogue(topk_weights_Tk=topk_w.to(DEVICE)), launch=LaunchOptions(b_tma=b_tma))
     a_s = _dense_scale(xs, qc, T, K, qc.group_size)
     for r in range(T * k):
         t, e = r // k, int(ids.view(-1)[r])
@@ -173,8 +184,8 @@ def test_moe_gemm_per_route_blocks_match_oracle(T, kind):
     w = (torch.randn(El, No, K, generator=g) / K ** 0.5).to(torch.bfloat16)
     topk_w = torch.rand(T, k, generator=g)
     c = torch.full((T * k, No), float("nan"), dtype=torch.bfloat16, device=DEVICE)
-    moe_gemm(x.to(DEVICE), w.to(DEVICE), c, GemmTile(16, 32, 32, 1, 4, 2), topk_weights_Tk=topk_w.to(DEVICE),
-             topk_ids_Tk=ids.to(DEVICE), expert_map_E=emap, a_row_div=k, num_routes=T * k)
+    moe_gemm(x.to(DEVICE), w.to(DEVICE), c, GemmTile(16, 32, 32, 1, 4, 2), RouteRows(ids.to(DEVICE), T * k, k, emap),
+             epilogue=GemmEpilogue(topk_weights_Tk=topk_w.to(DEVICE)))
     c = c.cpu()
     local = ids.view(-1).long() if emap is None else emap.cpu().long()[ids.view(-1).long()]
     held = 0
@@ -187,12 +198,10 @@ def test_moe_gemm_per_route_blocks_match_oracle(T, kind):
         ref = moe_gemm_torch(x[r // k: r // k + 1], w[e]) * topk_w.view(-1)[r]
         assert _rel(c[r: r + 1], ref) <= 2 * torch.finfo(torch.bfloat16).eps, f"route {r}"
     assert held >= 1  # something was computed
-    with pytest.raises(ValueError, match=r"per-route blocks .* a_sorted \(True\) and c_sorted \(False\) must be False"):
-        moe_gemm(x.to(DEVICE), w.to(DEVICE), c.to(DEVICE), GemmTile(16, 32, 32), topk_ids_Tk=ids.to(DEVICE),
-                 a_row_div=k, num_routes=T * k, a_sorted=True)
-    with pytest.raises(ValueError, match=r"topk_ids_Tk must be contiguous for per-route blocks, got strides"):
-        moe_gemm(x.to(DEVICE), w.to(DEVICE), c.to(DEVICE), GemmTile(16, 32, 32), a_row_div=k, num_routes=T * k,
-                 topk_ids_Tk=torch.cat([ids, ids], dim=1).to(DEVICE)[:, ::2])  # (T, k), column stride 2
+    with pytest.raises(ValueError, match=r"RouteRows.topk_ids_Tk must be contiguous, got strides"):
+        RouteRows(torch.cat([ids, ids], dim=1).to(DEVICE)[:, ::2], T * k, k)  # (T, k), column stride 2
+    with pytest.raises(ValueError, match=r"rows \(dict\) must be one of \['SortedRows', 'RouteRows', 'BatchedRows'\]"):
+        moe_gemm(x.to(DEVICE), w.to(DEVICE), c.to(DEVICE), GemmTile(16, 32, 32), dict(topk_ids_Tk=ids.to(DEVICE)))
 
 
 def test_moe_gemm_b_tma_falls_back_to_pointers_where_tma_cannot_address_the_weights():
@@ -205,15 +214,14 @@ def test_moe_gemm_b_tma_falls_back_to_pointers_where_tma_cannot_address_the_weig
     x = torch.randn(T, K, generator=g).to(torch.bfloat16).to(DEVICE)
     w = (torch.randn(E, K, No, generator=g) / K ** 0.5).to(torch.bfloat16).to(DEVICE).transpose(1, 2)  # (E, No, K)
     ids = torch.randint(0, E, (T, k), generator=g, dtype=torch.int32).to(DEVICE)
-    tma, ptr = GemmTile(16, 32, 32, 1, 4, 2, 1), GemmTile(16, 32, 32, 1, 4, 2, 0)
-    box = [1, tma.BLOCK_N, tma.BLOCK_K]
+    tile = GemmTile(16, 32, 32, 1, 4, 2)
+    box = [1, tile.BLOCK_N, tile.BLOCK_K]
     assert _descriptor(w, box) is None and _descriptor(w.contiguous(), box) is not None
-    sorted_ids, block_expert, npp = moe_align(ids, tma.BLOCK_M, E)
+    sorted_ids, block_expert, npp = moe_align(ids, tile.BLOCK_M, E)
     outs = []
-    for tile in (tma, ptr):
+    for b_tma in (1, 0):
         c = torch.full((T * k, No), float("nan"), dtype=torch.bfloat16, device=DEVICE)
-        moe_gemm(x, w, c, tile, sorted_ids_S=sorted_ids, block_expert_Mb=block_expert, num_post_padded=npp,
-                 a_row_div=k, num_routes=T * k)
+        moe_gemm(x, w, c, tile, SortedRows(sorted_ids, block_expert, npp, T * k, k), launch=LaunchOptions(b_tma=b_tma))
         outs.append(c.cpu())
     assert not outs[0].isnan().any() and torch.equal(outs[0], outs[1])
 
@@ -231,11 +239,12 @@ def test_moe_gemm_batched_matches_oracle_and_leaves_unused_slots(dtype, qc, b_tm
     a = xq.view(El, B, K)
     a_scale = None if xs is None else xs.view(El, B, -1)
     c = torch.full((El, B, No), float("nan"), dtype=dtype, device=DEVICE)
-    tile = GemmTile(16, 32, 32 if qc.is_block else 64, 1, 4, 2, b_tma, a_tma, persistent=persistent)
+    tile = GemmTile(16, 32, 32 if qc.is_block else 64, 1, 4, 2)
     a_mode, b_mode = _MODES.get(qc.name, (AScale.GROUP, BScale.BLOCK))
-    moe_gemm(a.to(DEVICE), wq.to(DEVICE), c, tile, a_scale=None if a_scale is None else a_scale.to(DEVICE),
-             a_scale_mode=a_mode, b_scale=None if ws is None else ws.to(DEVICE), b_scale_mode=b_mode,
-             group_shape=qc.block_shape or (1, 1), expert_num_tokens_El=counts.to(DEVICE))
+    scales = GemmScales(None if a_scale is None else a_scale.to(DEVICE), a_mode, None if ws is None else ws.to(DEVICE),
+                        b_mode, qc.block_shape or (1, 1))
+    moe_gemm(a.to(DEVICE), wq.to(DEVICE), c, tile, BatchedRows(counts.to(DEVICE)), scales=scales,
+             launch=LaunchOptions(b_tma, a_tma, persistent))
     c = c.cpu()
     a_s = _dense_scale(xs, qc, El * B, K, qc.group_size)
     for e in range(El):
@@ -402,11 +411,12 @@ def test_moe_gemm_fused_activation_matches_oracle(activation, b_tma):
     b = (torch.randn(El, 2 * N, K, generator=g) / K ** 0.5).to(torch.bfloat16)
     ids = torch.randint(0, El, (T, k), generator=g, dtype=torch.int32)
     ids[0, 1] = -1
-    tile = GemmTile(16, 32, 32, 1, 4, 2, b_tma)
+    tile = GemmTile(16, 32, 32, 1, 4, 2)
     sorted_ids, block_expert, num_pp = moe_align(ids.to(DEVICE), tile.BLOCK_M, El, None)
+    rows = SortedRows(sorted_ids, block_expert, num_pp, T * k, k)
     c = torch.full((T * k, N), float("nan"), dtype=torch.bfloat16, device=DEVICE)
-    moe_gemm(x.to(DEVICE), b.to(DEVICE), c, tile, sorted_ids_S=sorted_ids, block_expert_Mb=block_expert,
-             num_post_padded=num_pp, a_row_div=k, num_routes=T * k, fuse_activation=activation)
+    moe_gemm(x.to(DEVICE), b.to(DEVICE), c, tile, rows, epilogue=GemmEpilogue(activation),
+             launch=LaunchOptions(b_tma=b_tma))
     c = c.cpu()
     for r in range(T * k):
         e = int(ids.view(-1)[r])
@@ -415,13 +425,11 @@ def test_moe_gemm_fused_activation_matches_oracle(activation, b_tma):
             continue
         ref = act_and_mul_torch(moe_gemm_torch(x[r // k: r // k + 1], b[e]), activation)
         assert _rel(c[r: r + 1], ref) <= 2 * torch.finfo(torch.bfloat16).eps
-    with pytest.raises(ValueError, match="fuse_activation .* must be one of"):
-        moe_gemm(x.to(DEVICE), b.to(DEVICE), c.to(DEVICE), tile, sorted_ids_S=sorted_ids, block_expert_Mb=block_expert,
-                 num_post_padded=num_pp, a_row_div=k, num_routes=T * k, fuse_activation=Activation.SWIGLU_OAI)
-    with pytest.raises(ValueError, match="2N|even and c with 40 columns"):
-        moe_gemm(x.to(DEVICE), b.to(DEVICE), torch.empty(T * k, 2 * N, device=DEVICE), tile, sorted_ids_S=sorted_ids,
-                 block_expert_Mb=block_expert, num_post_padded=num_pp, a_row_div=k, num_routes=T * k,
-                 fuse_activation=activation)
+    with pytest.raises(ValueError, match=r"GemmEpilogue.activation \(.*SWIGLU_OAI.*\) must be one of"):
+        moe_gemm(x.to(DEVICE), b.to(DEVICE), c.to(DEVICE), tile, rows, epilogue=GemmEpilogue(Activation.SWIGLU_OAI))
+    with pytest.raises(ValueError, match="even and c with 40 columns"):
+        moe_gemm(x.to(DEVICE), b.to(DEVICE), torch.empty(T * k, 2 * N, device=DEVICE), tile, rows,
+                 epilogue=GemmEpilogue(activation))
 
 
 def test_moe_gemm_fused_activation_with_fp8_groups_matches_oracle():
@@ -441,10 +449,10 @@ def test_moe_gemm_fused_activation_with_fp8_groups_matches_oracle():
     sorted_ids, block_expert, num_pp = moe_align(ids.to(DEVICE), tile.BLOCK_M, El, None)
     c = torch.full((T * k, N), float("nan"), device=DEVICE).to(FP8_DTYPE)
     cs = torch.full((T * k, 2), float("nan"), device=DEVICE)
-    moe_gemm(xq.to(DEVICE), wq.to(DEVICE), c, tile, a_scale=xs.to(DEVICE), a_scale_mode=AScale.GROUP,
-             b_scale=ws.to(DEVICE), b_scale_mode=BScale.BLOCK, group_shape=(G, G), sorted_ids_S=sorted_ids,
-             block_expert_Mb=block_expert, num_post_padded=num_pp, a_row_div=k, num_routes=T * k,
-             fuse_activation=Activation.SILU, c_scale=cs, c_group=G)
+    rows = SortedRows(sorted_ids, block_expert, num_pp, T * k, k)
+    scales = GemmScales(xs.to(DEVICE), AScale.GROUP, ws.to(DEVICE), BScale.BLOCK, (G, G))
+    moe_gemm(xq.to(DEVICE), wq.to(DEVICE), c, tile, rows, scales=scales,
+             epilogue=GemmEpilogue(Activation.SILU, c_scale=cs, c_group=G))
     c, cs = c.cpu().float(), cs.cpu()
     a_s = expand_group_scale(xs, K, G)
     for r in range(T * k):
@@ -458,12 +466,11 @@ def test_moe_gemm_fused_activation_with_fp8_groups_matches_oracle():
         want_scale = torch.stack([ref[:G].abs().max(), ref[G:].abs().max()]) / torch.finfo(FP8_DTYPE).max
         assert torch.allclose(cs[r], want_scale, rtol=1e-2), f"route {r} scales"
         assert _rel(c[r] * expand_group_scale(cs[r], N, G), ref) <= FP8_EPS, f"route {r}"
-    with pytest.raises(ValueError, match=r"c_group \(64\) must be a power of two dividing tile.BLOCK_N \(32\)"):
+    with pytest.raises(ValueError, match=r"GemmEpilogue.c_group \(64\) must be a power of two dividing tile.BLOCK_N "
+                                         r"\(32\)"):
         moe_gemm(xq.to(DEVICE), wq.to(DEVICE), torch.empty(T * k, N, device=DEVICE).to(FP8_DTYPE),
-                 GemmTile(16, 32, 32), a_scale=xs.to(DEVICE), a_scale_mode=AScale.GROUP, b_scale=ws.to(DEVICE),
-                 b_scale_mode=BScale.BLOCK, group_shape=(G, G), sorted_ids_S=sorted_ids,
-                 block_expert_Mb=block_expert, num_post_padded=num_pp, a_row_div=k, num_routes=T * k,
-                 fuse_activation=Activation.SILU, c_scale=torch.empty(T * k, 1, device=DEVICE), c_group=64)
+                 GemmTile(16, 32, 32), rows, scales=scales,
+                 epilogue=GemmEpilogue(Activation.SILU, c_scale=torch.empty(T * k, 1, device=DEVICE), c_group=64))
 
 
 # Routes per expert for the persistent tests (BLOCK_M 16): two full blocks and a partial one, one partial
@@ -514,18 +521,20 @@ def test_moe_gemm_sorted_intermediate_chain_matches_oracle(a_tma, persistent):
     w1 = (torch.randn(El, 2 * N, K, generator=g) / K ** 0.5).to(torch.bfloat16)
     w2 = (torch.randn(El, K, N, generator=g) / N ** 0.5).to(torch.bfloat16)
     topk_w = torch.rand(T, k, generator=g)
-    tile = GemmTile(16, 32, 32, 2, 4, 2, 1, a_tma, persistent=persistent)
+    tile, launch = GemmTile(16, 32, 32, 2, 4, 2), LaunchOptions(1, a_tma, persistent)
     sorted_ids, block_expert, num_pp = moe_align(ids.to(DEVICE), tile.BLOCK_M, El, None)
     S = sorted_ids.numel()
-    align = dict(sorted_ids_S=sorted_ids, block_expert_Mb=block_expert, num_post_padded=num_pp, num_routes=T * k)
+    align = (sorted_ids, block_expert, num_pp, T * k)
     inter = torch.full((S, N), float("nan"), dtype=torch.bfloat16, device=DEVICE)
-    moe_gemm(x.to(DEVICE), w1.to(DEVICE), inter, tile, a_row_div=k, fuse_activation=Activation.SILU, c_sorted=True,
-             **align)
+    moe_gemm(x.to(DEVICE), w1.to(DEVICE), inter, tile, SortedRows(*align, a_row_div=k, c_sorted=True),
+             epilogue=GemmEpilogue(Activation.SILU), launch=launch)
     y = torch.full((T * k, K), float("nan"), dtype=torch.bfloat16, device=DEVICE)
-    moe_gemm(inter, w2.to(DEVICE), y, tile, a_row_div=1, topk_weights_Tk=topk_w.to(DEVICE), a_sorted=True, **align)
+    moe_gemm(inter, w2.to(DEVICE), y, tile, SortedRows(*align, a_sorted=True),
+             epilogue=GemmEpilogue(topk_weights_Tk=topk_w.to(DEVICE)), launch=launch)
     _check_chain(x, w1, w2, topk_w, ids, sorted_ids, num_pp, inter, y, Activation.SILU)
-    with pytest.raises(ValueError, match=rf"a_sorted needs a with sorted_ids_S.numel\(\) \(\d+\) rows, got {T * k}"):
-        moe_gemm(inter[: T * k], w2.to(DEVICE), y.to(DEVICE), tile, a_sorted=True, **align)
+    with pytest.raises(ValueError, match=rf"SortedRows.a_sorted needs a with sorted_ids_S.numel\(\) \(\d+\) rows, "
+                                         rf"got {T * k}"):
+        moe_gemm(inter[: T * k], w2.to(DEVICE), y.to(DEVICE), tile, SortedRows(*align, a_sorted=True), launch=launch)
 
 
 # Routes per expert for the warp-specialized chain (BLOCK_M 64 / 128): full and partial blocks, a single
@@ -534,7 +543,7 @@ WS_COUNTS = [150, 1, 0, 128, 301]
 
 
 @pytest.mark.skipif(not gpu_has_tma(DEVICE), reason="the warp-specialized Gluon kernel needs a Hopper-class GPU "
-                    "(Triton's interpreter does not run Gluon); elsewhere tile.ws runs the Triton kernel")
+                    "(Triton's interpreter does not run Gluon); elsewhere LaunchOptions.ws runs the Triton kernel")
 @pytest.mark.parametrize("activation", [Activation.SILU, Activation.GELU], ids=lambda a: a.value)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("block_m,num_warps", [(128, 8), (64, 4)], ids=["m128w8", "m64w4"])
@@ -562,21 +571,21 @@ def test_moe_gemm_ws_chain_matches_oracle(gather, gemm1_block_n, block_m, num_wa
     w1 = (torch.randn(El, 2 * N, K, generator=g) / K ** 0.5).to(dtype)
     w2 = (torch.randn(El, K, N, generator=g) / N ** 0.5).to(dtype)
     topk_w = torch.rand(T, k, generator=g)
-    tile = GemmTile(block_m, gemm1_block_n, 64, 4, num_warps, 3, b_tma=1, a_tma=1, ws=1)
+    tile, launch = GemmTile(block_m, gemm1_block_n, 64, 4, num_warps, 3), LaunchOptions(b_tma=1, a_tma=1, ws=1)
     sorted_ids, block_expert, num_pp = moe_align(ids.to(DEVICE), tile.BLOCK_M, El, None)
     S = sorted_ids.numel()
-    align = dict(sorted_ids_S=sorted_ids, block_expert_Mb=block_expert, num_post_padded=num_pp, num_routes=T * k)
+    align = (sorted_ids, block_expert, num_pp, T * k)
     if gather:
         xs = x.to(DEVICE)
     else:
         xs = sort_rows(x.to(DEVICE), sorted_ids, num_pp, k, torch.full((S, K), float("nan"), dtype=dtype,
                                                                          device=DEVICE))
     inter = torch.full((T * k if gather else S, N), float("nan"), dtype=dtype, device=DEVICE)
-    moe_gemm(xs, w1.to(DEVICE), inter, tile, a_row_div=k, fuse_activation=activation, a_sorted=not gather,
-             c_sorted=not gather, **align)
+    moe_gemm(xs, w1.to(DEVICE), inter, tile, SortedRows(*align, k, a_sorted=not gather, c_sorted=not gather),
+             epilogue=GemmEpilogue(activation), launch=launch)
     y = torch.full((T * k, K), float("nan"), dtype=dtype, device=DEVICE)
-    moe_gemm(inter, w2.to(DEVICE), y, replace(tile, BLOCK_N=128), a_row_div=1, topk_weights_Tk=topk_w.to(DEVICE),
-             a_sorted=not gather, **align)
+    moe_gemm(inter, w2.to(DEVICE), y, replace(tile, BLOCK_N=128), SortedRows(*align, a_sorted=not gather),
+             epilogue=GemmEpilogue(topk_weights_Tk=topk_w.to(DEVICE)), launch=launch)
     assert len(calls) == 2, "a GEMM ran the Triton kernel"
     _check_chain(x, w1, w2, topk_w, ids, sorted_ids, num_pp, inter, y, activation, inter_sorted=not gather)
 
@@ -615,7 +624,7 @@ def test_gpu_has_tma_reads_the_capability_once_per_gpu(monkeypatch):
 GLUON_CHECKED = pytest.mark.skipif(
     not __import__("moe_modular.kernels.host", fromlist=["x"]).gluon_kernels_enabled(triton.__version__),
     reason="the Gluon kernels are checked on Triton 3.6 only (moe_modular.kernels.host.GLUON_CHECKED_TRITON); "
-           "elsewhere tile.ws runs the Triton kernel")
+           "elsewhere LaunchOptions.ws runs the Triton kernel")
 
 
 def _sm90_compile_check(*args) -> dict:
@@ -662,9 +671,8 @@ def test_moe_gemm_ws_compiles_for_hopper(fused, gather, tile):
 
 
 @pytest.mark.parametrize("tile,message", [
-    (GemmTile(32, 64, 64, ws=1), r"tile.ws needs BLOCK_M >= 64 .* got BLOCK_M 32, num_warps 4"),
-    (GemmTile(64, 64, 64, num_warps=2, ws=1), r"tile.ws needs .* num_warps in \(4, 8\), got BLOCK_M 64, num_warps 2"),
-    (GemmTile(64, 64, 64, ws=2), r"tile.ws \(2\) must be one of \(0, 1\)"),
+    (GemmTile(32, 64, 64), r"LaunchOptions.ws needs BLOCK_M >= 64 .* got BLOCK_M 32, num_warps 4"),
+    (GemmTile(64, 64, 64, num_warps=2), r"LaunchOptions.ws needs .* num_warps in \(4, 8\), got BLOCK_M 64, num_warps 2"),
 ])
 def test_moe_gemm_ws_tile_errors_name_the_field(tile, message):
     ids = torch.zeros(4, 2, dtype=torch.int32, device=DEVICE)
@@ -672,8 +680,28 @@ def test_moe_gemm_ws_tile_errors_name_the_field(tile, message):
     a = torch.zeros(sorted_ids.numel(), 64, dtype=torch.bfloat16, device=DEVICE)
     with pytest.raises(ValueError, match=message):
         moe_gemm(a, torch.zeros(2, 32, 64, dtype=torch.bfloat16, device=DEVICE),
-                 torch.zeros(8, 32, dtype=torch.bfloat16, device=DEVICE), tile, sorted_ids_S=sorted_ids,
-                 block_expert_Mb=block_expert, num_post_padded=npp, num_routes=8, a_sorted=True)
+                 torch.zeros(8, 32, dtype=torch.bfloat16, device=DEVICE), tile,
+                 SortedRows(sorted_ids, block_expert, npp, 8, a_sorted=True), launch=LaunchOptions(ws=1))
+
+
+@pytest.mark.parametrize("field,value,message", [
+    ("ws", 2, r"LaunchOptions.ws \(2\) must be 0 or 1"),
+    ("b_tma", -1, r"LaunchOptions.b_tma \(-1\) must be 0 or 1"),
+    ("persistent", 3, r"LaunchOptions.persistent \(3\) must be one of \(0, 1, 2\)"),
+])
+def test_launch_options_errors_name_the_field(field, value, message):
+    with pytest.raises(ValueError, match=message):
+        LaunchOptions(**{field: value})
+
+
+def test_gemm_scales_are_given_exactly_where_their_mode_says():
+    with pytest.raises(ValueError, match=r"GemmScales.a \(None\) must be given exactly where GemmScales.a_mode "
+                                         r"\(ROW\) is not NONE"):
+        GemmScales(None, AScale.ROW)
+    with pytest.raises(ValueError, match=r"GemmScales.b \(\(2, 1\)\) must be given exactly where GemmScales.b_mode "
+                                         r"\(NONE\) is not NONE"):
+        GemmScales(b=torch.ones(2, 1))
+    assert GemmScales(torch.ones(1), AScale.TENSOR, torch.ones(2), BScale.TENSOR).scaled and not GemmScales().scaled
 
 
 @pytest.mark.parametrize("persistent", [1, 2])
@@ -687,23 +715,19 @@ def test_moe_gemm_persistent_matches_oracle(dtype, qc, persistent):
     T = ids.shape[0]
     xq, xs, wq, ws = _gemm_inputs(T, K, E, No, dtype, qc, seed=62)
     topk_w = torch.rand(T, k, generator=g)
-    tile = GemmTile(16, 32, 32, 2, 4, 2, persistent=persistent)
+    tile = GemmTile(16, 32, 32, 2, 4, 2)
     sorted_ids, block_expert, npp = moe_align(ids.to(DEVICE), tile.BLOCK_M, E)
     c = torch.full((T * k, No), float("nan"), dtype=dtype, device=DEVICE)
     a_mode, b_mode = _MODES[qc.name]
-    moe_gemm(xq.to(DEVICE), wq.to(DEVICE), c, tile, a_scale=None if xs is None else xs.to(DEVICE), a_scale_mode=a_mode,
-             b_scale=None if ws is None else ws.to(DEVICE), b_scale_mode=b_mode, topk_weights_Tk=topk_w.to(DEVICE),
-             sorted_ids_S=sorted_ids, block_expert_Mb=block_expert, num_post_padded=npp, a_row_div=k,
-             num_routes=T * k)
+    scales = GemmScales(None if xs is None else xs.to(DEVICE), a_mode, None if ws is None else ws.to(DEVICE), b_mode)
+    moe_gemm(xq.to(DEVICE), wq.to(DEVICE), c, tile, SortedRows(sorted_ids, block_expert, npp, T * k, k), scales=scales,
+             epilogue=GemmEpilogue(topk_weights_Tk=topk_w.to(DEVICE)), launch=LaunchOptions(persistent=persistent))
     c = c.cpu()
     for r in range(T * k):
         t, e = r // k, int(ids.view(-1)[r])
         ref = moe_gemm_torch(xq[t:t + 1], wq[e], None if xs is None else xs[t:t + 1],
                              _weight_scale(ws, qc, e, No, K)) * topk_w.view(-1)[r]
         assert _rel(c[r], ref[0]) <= 2 * torch.finfo(dtype).eps, f"route {r} (expert {e})"
-    with pytest.raises(ValueError, match=r"tile.persistent \(3\) must be one of \(0, 1, 2\)"):
-        moe_gemm(xq.to(DEVICE), wq.to(DEVICE), c.to(DEVICE), GemmTile(16, 32, 32, persistent=3), sorted_ids_S=sorted_ids,
-                 block_expert_Mb=block_expert, num_post_padded=npp, a_row_div=k, num_routes=T * k)
 
 
 @pytest.mark.parametrize("T,k,El,K", [(9, 3, 5, 200), (1, 1, 4, 64), (0, 2, 3, 64)], ids=["T9", "T1", "T0"])
@@ -809,7 +833,7 @@ def test_interpreter_patch_rounds_like_the_gpu():
 
 
 # ---- the fp8 warp-specialized kernel (moe_gemm_ws_fp8) ---------------------------------------------------
-FP8_WS_TILE = GemmTile(128, 128, 128, 8, 8, 3, ws=1)
+FP8_WS_TILE, FP8_WS_LAUNCH = GemmTile(128, 128, 128, 8, 8, 3), LaunchOptions(ws=1)
 
 
 @pytest.mark.parametrize("fused,gather,scales", [
@@ -835,17 +859,22 @@ def test_moe_gemm_ws_fp8_compiles_for_hopper(fused, gather, scales):
     assert max(r for r in got["max_regs"] if r < 256) >= 224, got
 
 
-def _fp8_ws_case(**over):
-    """fp8_ws_scales' arguments for a block-scaled second GEMM it takes, with `over` replacing some."""
+def _fp8_ws_scales(G, **over):
+    """fp8_ws_scales for a block-scaled second GEMM it takes, with `over` replacing some of its values (standard:
+    sorted rows or the batched format; fused: SiLU and the output's 1 x c_group quantization in the epilogue)."""
     fp8 = torch.float8_e4m3fn
     El, No, Ko, R = 2, 256, 384, 40
-    args = dict(tile=FP8_WS_TILE, a=torch.empty(R, Ko, dtype=fp8), b_ENK=torch.empty(El, No, Ko, dtype=fp8),
-                c=torch.empty(R, No, dtype=torch.bfloat16), standard=True,
-                a_scale=torch.empty(R, Ko // 128), a_scale_mode=AScale.GROUP,
-                b_scale=torch.empty(El, No // 128, Ko // 128), b_scale_mode=BScale.BLOCK, group_shape=(128, 128),
-                fused=False, c_group=0)
-    args.update(over)
-    return args
+    v = dict(tile=FP8_WS_TILE, ws=1, a=torch.empty(R, Ko, dtype=fp8), b_ENK=torch.empty(El, No, Ko, dtype=fp8),
+             c=torch.empty(R, No, dtype=torch.bfloat16), standard=True,
+             a_scale=torch.empty(R, Ko // 128), a_scale_mode=AScale.GROUP,
+             b_scale=torch.empty(El, No // 128, Ko // 128), b_scale_mode=BScale.BLOCK, group_shape=(128, 128),
+             fused=False, c_group=0)
+    v.update(over)
+    ids = torch.zeros(R, dtype=torch.int32)
+    rows = SortedRows(ids, ids, ids[:1], R) if v["standard"] else BatchedRows(ids[:El])
+    scales = GemmScales(v["a_scale"], v["a_scale_mode"], v["b_scale"], v["b_scale_mode"], v["group_shape"])
+    epilogue = GemmEpilogue(Activation.SILU if v["fused"] else None, c_group=v["c_group"])
+    return G.fp8_ws_scales(v["tile"], LaunchOptions(ws=v["ws"]), v["a"], v["b_ENK"], v["c"], rows, scales, epilogue)
 
 
 def test_fp8_ws_scales_picks_the_kernel_only_where_it_applies(monkeypatch):
@@ -855,13 +884,13 @@ def test_fp8_ws_scales_picks_the_kernel_only_where_it_applies(monkeypatch):
     monkeypatch.setattr(G, "gpu_has_tma", lambda device: True)
     monkeypatch.setattr(G, "gluon_kernels_enabled", lambda version: True)
     fp8 = torch.float8_e4m3fn
-    assert G.fp8_ws_scales(**_fp8_ws_case()) == "BLOCK"
-    assert G.fp8_ws_scales(**_fp8_ws_case(a_scale_mode=AScale.ROW, b_scale_mode=BScale.CHANNEL,
-                                          a_scale=torch.empty(40, 1), b_scale=torch.empty(2, 256, 1))) == "ROW"
+    assert _fp8_ws_scales(G) == "BLOCK"
+    assert _fp8_ws_scales(G, a_scale_mode=AScale.ROW, b_scale_mode=BScale.CHANNEL, a_scale=torch.empty(40, 1),
+                          b_scale=torch.empty(2, 256, 1)) == "ROW"
     fused = dict(fused=True, c=torch.empty(40, 128, dtype=fp8), c_group=128)
-    assert G.fp8_ws_scales(**_fp8_ws_case(**fused)) == "BLOCK"
+    assert _fp8_ws_scales(G, **fused) == "BLOCK"
     refused = {
-        "tile.ws 0": dict(tile=replace(FP8_WS_TILE, ws=0)),
+        "ws 0": dict(ws=0),
         "batched": dict(standard=False),
         "BLOCK_N 64": dict(tile=replace(FP8_WS_TILE, BLOCK_N=64)),
         "4 warps": dict(tile=replace(FP8_WS_TILE, num_warps=4)),
@@ -878,12 +907,12 @@ def test_fp8_ws_scales_picks_the_kernel_only_where_it_applies(monkeypatch):
         "scales strided along K": dict(a_scale=torch.empty(3, 40).t()),
     }
     for what, over in refused.items():
-        assert G.fp8_ws_scales(**_fp8_ws_case(**over)) is None, what
+        assert _fp8_ws_scales(G, **over) is None, what
     monkeypatch.setattr(G, "gluon_kernels_enabled", lambda version: False)
-    assert G.fp8_ws_scales(**_fp8_ws_case()) is None, "a Triton the Gluon kernels were not checked on"
+    assert _fp8_ws_scales(G) is None, "a Triton the Gluon kernels were not checked on"
     monkeypatch.setattr(G, "gluon_kernels_enabled", lambda version: True)
     monkeypatch.setattr(G, "gpu_has_tma", lambda device: False)
-    assert G.fp8_ws_scales(**_fp8_ws_case()) is None, "a GPU before Hopper"
+    assert _fp8_ws_scales(G) is None, "a GPU before Hopper"
 
 
 # Routes per expert for the fp8 chain (BLOCK_M 128): two full blocks and a partial one, a single route, none,
@@ -906,7 +935,7 @@ def _fp8_chain_inputs(qc, K, N, seed):
 
 
 @pytest.mark.skipif(not gpu_has_tma(DEVICE), reason="the fp8 warp-specialized Gluon kernel needs a Hopper-class GPU "
-                    "(Triton's interpreter does not run Gluon); elsewhere tile.ws runs the Triton kernel")
+                    "(Triton's interpreter does not run Gluon); elsewhere LaunchOptions.ws runs the Triton kernel")
 @pytest.mark.parametrize("sorted_mid", [False, True], ids=["route-order", "sorted"])
 @pytest.mark.parametrize("activation", [Activation.SILU, Activation.GELU], ids=lambda a: a.value)
 def test_moe_gemm_ws_fp8_block_chain_matches_oracle(activation, sorted_mid, monkeypatch):
@@ -926,17 +955,17 @@ def test_moe_gemm_ws_fp8_block_chain_matches_oracle(activation, sorted_mid, monk
     R = T * k
     sorted_ids, block_expert, num_pp = moe_align(ids.to(DEVICE), FP8_WS_TILE.BLOCK_M, len(FP8_WS_COUNTS), None)
     S = sorted_ids.numel()
-    align = dict(sorted_ids_S=sorted_ids, block_expert_Mb=block_expert, num_post_padded=num_pp, num_routes=R)
+    align = (sorted_ids, block_expert, num_pp, R)
     rows = S if sorted_mid else R
     inter = torch.full((rows, N), float("nan"), device=DEVICE).to(FP8_DTYPE)
     inter_s = torch.full((rows, N // G), float("nan"), device=DEVICE)
-    moe_gemm(xq.to(DEVICE), w1q.to(DEVICE), inter, FP8_WS_TILE, a_scale=xs.to(DEVICE), a_scale_mode=AScale.GROUP,
-             b_scale=w1s.to(DEVICE), b_scale_mode=BScale.BLOCK, group_shape=(G, G), a_row_div=k,
-             fuse_activation=activation, c_scale=inter_s, c_group=G, c_sorted=sorted_mid, **align)
+    moe_gemm(xq.to(DEVICE), w1q.to(DEVICE), inter, FP8_WS_TILE, SortedRows(*align, k, c_sorted=sorted_mid),
+             scales=GemmScales(xs.to(DEVICE), AScale.GROUP, w1s.to(DEVICE), BScale.BLOCK, (G, G)),
+             epilogue=GemmEpilogue(activation, c_scale=inter_s, c_group=G), launch=FP8_WS_LAUNCH)
     y = torch.full((R, K), float("nan"), dtype=torch.bfloat16, device=DEVICE)
-    moe_gemm(inter, w2q.to(DEVICE), y, FP8_WS_TILE, a_scale=inter_s, a_scale_mode=AScale.GROUP,
-             b_scale=w2s.to(DEVICE), b_scale_mode=BScale.BLOCK, group_shape=(G, G), a_row_div=1,
-             topk_weights_Tk=topk_w.to(DEVICE), a_sorted=sorted_mid, **align)
+    moe_gemm(inter, w2q.to(DEVICE), y, FP8_WS_TILE, SortedRows(*align, a_sorted=sorted_mid),
+             scales=GemmScales(inter_s, AScale.GROUP, w2s.to(DEVICE), BScale.BLOCK, (G, G)),
+             epilogue=GemmEpilogue(topk_weights_Tk=topk_w.to(DEVICE)), launch=FP8_WS_LAUNCH)
     assert len(calls) == 2, "a GEMM ran the Triton kernel"
     inter, inter_s, y = inter.cpu().float(), inter_s.cpu(), y.cpu()
     sid, npp = sorted_ids.cpu(), int(num_pp.cpu())
@@ -962,7 +991,7 @@ def test_moe_gemm_ws_fp8_block_chain_matches_oracle(activation, sorted_mid, monk
 
 
 @pytest.mark.skipif(not gpu_has_tma(DEVICE), reason="the fp8 warp-specialized Gluon kernel needs a Hopper-class GPU "
-                    "(Triton's interpreter does not run Gluon); elsewhere tile.ws runs the Triton kernel")
+                    "(Triton's interpreter does not run Gluon); elsewhere LaunchOptions.ws runs the Triton kernel")
 def test_moe_gemm_ws_fp8_row_chain_matches_oracle(monkeypatch):
     # fp8-token (per-row activation, per-channel weight scales): the first GEMM gathers token rows into a float32
     # h1 (R, 2N); the second reads the intermediate (quantized per row here, as act_and_mul does) and writes routes
@@ -978,19 +1007,19 @@ def test_moe_gemm_ws_fp8_row_chain_matches_oracle(monkeypatch):
     T, k = ids.shape
     R = T * k
     sorted_ids, block_expert, num_pp = moe_align(ids.to(DEVICE), FP8_WS_TILE.BLOCK_M, len(FP8_WS_COUNTS), None)
-    align = dict(sorted_ids_S=sorted_ids, block_expert_Mb=block_expert, num_post_padded=num_pp, num_routes=R)
+    align = (sorted_ids, block_expert, num_pp, R)
     h1 = torch.full((R, 2 * N), float("nan"), device=DEVICE)
-    moe_gemm(xq.to(DEVICE), w1q.to(DEVICE), h1, FP8_WS_TILE, a_scale=xs.to(DEVICE), a_scale_mode=AScale.ROW,
-             b_scale=w1s.to(DEVICE), b_scale_mode=BScale.CHANNEL, a_row_div=k, **align)
+    moe_gemm(xq.to(DEVICE), w1q.to(DEVICE), h1, FP8_WS_TILE, SortedRows(*align, k),
+             scales=GemmScales(xs.to(DEVICE), AScale.ROW, w1s.to(DEVICE), BScale.CHANNEL), launch=FP8_WS_LAUNCH)
     held = ids.view(-1) >= 0
     inter = torch.zeros(R, N).to(FP8_DTYPE)
     inter_s = torch.ones(R, 1)
     h1c = h1.cpu()
     inter[held], inter_s[held] = quantize_activations(act_and_mul_torch(h1c[held], Activation.SILU), qc)
     y = torch.full((R, K), float("nan"), dtype=torch.bfloat16, device=DEVICE)
-    moe_gemm(inter.to(DEVICE), w2q.to(DEVICE), y, FP8_WS_TILE, a_scale=inter_s.to(DEVICE), a_scale_mode=AScale.ROW,
-             b_scale=w2s.to(DEVICE), b_scale_mode=BScale.CHANNEL, a_row_div=1, topk_weights_Tk=topk_w.to(DEVICE),
-             **align)
+    moe_gemm(inter.to(DEVICE), w2q.to(DEVICE), y, FP8_WS_TILE, SortedRows(*align),
+             scales=GemmScales(inter_s.to(DEVICE), AScale.ROW, w2s.to(DEVICE), BScale.CHANNEL),
+             epilogue=GemmEpilogue(topk_weights_Tk=topk_w.to(DEVICE)), launch=FP8_WS_LAUNCH)
     assert len(calls) == 2, "a GEMM ran the Triton kernel"
     y = y.cpu()
     for r in range(R):
@@ -1004,3 +1033,80 @@ def test_moe_gemm_ws_fp8_row_chain_matches_oracle(monkeypatch):
         assert _rel(h1c[r: r + 1], ref1) <= 4e-3, f"route {r} (expert {e}): h1"
         ref = moe_gemm_torch(inter[r: r + 1], w2q[e], inter_s[r: r + 1], w2s[e]) * topk_w.view(-1)[r]
         assert _rel(y[r: r + 1], ref) <= 2 * torch.finfo(torch.bfloat16).eps, f"route {r} (expert {e}): output"
+
+
+class _BindingKernel:
+    """Stands in for a Gluon kernel: `kernel[grid](*args, **kw)` binds the launch to the real kernel's parameters
+    (every parameter given exactly once, no other name) and keeps {name: value} and the grid."""
+
+    OPTIONS = ("num_warps", "num_stages", "launch_pdl")
+
+    def __init__(self, real) -> None:
+        self.names = list(real.arg_names)
+        self.calls: list[tuple[tuple, dict]] = []
+
+    def __getitem__(self, grid):
+        def run(*args, **kw):
+            given = dict(zip(self.names, args))
+            extra = [k for k in kw if k not in self.names and k not in self.OPTIONS]
+            assert len(args) <= len(self.names) and not extra, f"unknown arguments {extra}"
+            assert not set(given) & set(kw), f"given twice: {sorted(set(given) & set(kw))}"
+            given.update({k: v for k, v in kw.items() if k in self.names})
+            assert sorted(given) == sorted(self.names), f"missing: {sorted(set(self.names) - set(given))}"
+            self.calls.append((grid, given))
+        return run
+
+
+@GLUON_CHECKED
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8-block"])
+def test_warp_specialized_launches_take_the_rows_scales_and_epilogue_they_are_given(fp8, monkeypatch):
+    # The Gluon kernels run only on a Hopper GPU; their host side runs here: moe_gemm routes a launch that
+    # LaunchOptions.ws covers to the Gluon wrapper, which must bind every kernel parameter (checked against the
+    # real kernel's names) from the row layout, scales and epilogue it was given.
+    from moe_modular.kernels import moe_gemm as G
+    from moe_modular.kernels import moe_gemm_ws, moe_gemm_ws_fp8
+    from moe_modular.kernels.act_and_mul import ACT_CODE
+
+    monkeypatch.setattr(G, "gpu_has_tma", lambda device: True)
+    monkeypatch.setattr(G, "gluon_kernels_enabled", lambda version: True)
+    module, name = (moe_gemm_ws_fp8, "_moe_gemm_ws_fp8_kernel") if fp8 else (moe_gemm_ws, "_moe_gemm_ws_kernel")
+    fake = _BindingKernel(getattr(module, name))
+    monkeypatch.setattr(module, name, fake)
+    g = _gen(97)
+    k, El, K, N = 2, 3, 256, 128
+    T = 9
+    ids = torch.randint(0, El, (T, k), generator=g, dtype=torch.int32)
+    tile = FP8_WS_TILE if fp8 else GemmTile(64, 64, 64, 4, 4, 3)
+    sorted_ids, block_expert, npp = moe_align(ids, tile.BLOCK_M, El)
+    S, R = sorted_ids.numel(), T * k
+    dt = FP8_DTYPE if fp8 else torch.bfloat16
+    x = torch.zeros(T, K).to(dt)
+    w1 = torch.zeros(El, 2 * N, K).to(dt)
+    if fp8:
+        scales = GemmScales(torch.ones(T, K // 128), AScale.GROUP, torch.ones(El, 2 * N // 128, K // 128),
+                            BScale.BLOCK, (128, 128))
+        inter = torch.zeros(S, N).to(dt)
+        epilogue = GemmEpilogue(Activation.GELU, c_scale=torch.ones(S, N // 128), c_group=128)
+    else:
+        scales, inter, epilogue = GemmScales(), torch.zeros(S, N, dtype=dt), GemmEpilogue(Activation.GELU)
+    rows = SortedRows(sorted_ids, block_expert, npp, R, k, a_sorted=False, c_sorted=True)
+    moe_gemm(x, w1, inter, tile, rows, scales=scales, epilogue=epilogue, launch=LaunchOptions(ws=1))
+    y = torch.zeros(R, K, dtype=torch.bfloat16)
+    topk_w = torch.rand(T, k, generator=g)
+    scales2 = (GemmScales(epilogue.c_scale, AScale.GROUP, torch.ones(El, K // 128, N // 128), BScale.BLOCK, (128, 128))
+               if fp8 else GemmScales())
+    moe_gemm(inter, torch.zeros(El, K, N).to(dt), y, replace(tile, BLOCK_N=128) if not fp8 else tile,
+             SortedRows(sorted_ids, block_expert, npp, R, 1, a_sorted=True), scales=scales2,
+             epilogue=GemmEpilogue(topk_weights_Tk=topk_w), launch=LaunchOptions(ws=1))
+    assert len(fake.calls) == 2, "a GEMM ran the Triton kernel"
+    (_, first), (_, second) = fake.calls
+    assert first["sorted_ids_ptr"] is sorted_ids and first["num_post_padded_ptr"] is npp
+    assert (first["num_routes"], first["A_ROW_DIV"], first["A_GATHER"], first["C_SORTED"]) == (R, k, True, True)
+    assert (first["FUSE_ACT"], first["ACTIVATION"], first["MUL_WEIGHT"]) == (True, ACT_CODE[Activation.GELU], False)
+    assert (second["A_ROW_DIV"], second["A_GATHER"], second["C_SORTED"], second["MUL_WEIGHT"]) == (1, False, False, True)
+    assert second["topk_weights_ptr"] is topk_w and (second["stride_wt"], second["stride_wk"]) == topk_w.stride()
+    assert (first["N"], second["N"]) == (N, K)
+    if fp8:
+        assert first["a_scale_ptr"] is scales.a and first["b_scale_ptr"] is scales.b
+        assert first["c_scale_ptr"] is epilogue.c_scale and first["OUT_GROUP"] == 128
+        assert second["a_scale_ptr"] is epilogue.c_scale and second["OUT_GROUP"] == 0

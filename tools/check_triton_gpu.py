@@ -223,7 +223,7 @@ def bench_graph(fn, target_s=0.05) -> float:
 
 
 def candidates(per_expert: float, smoke: bool):
-    from moe_modular.kernels.moe_gemm import GemmTile
+    from moe_modular.kernels.gemm_config import GemmTile
 
     if smoke:
         return [GemmTile(16, 64, 64, 1, 4, 1), GemmTile(32, 128, 128, 1, 4, 1)]

@@ -30,7 +30,7 @@ import os
 import random
 import sys
 import time
-from dataclasses import asdict, replace
+from dataclasses import replace
 from typing import Callable, Optional
 
 import torch
@@ -72,19 +72,27 @@ SMEM_BYTES = 200 * 1024
 MAX_ACC_PER_THREAD = 128
 
 
-# The GemmTile fields a candidate tuple holds, in order; the others (persistent) keep their defaults.
+# The table-entry fields a candidate tuple holds, in order (the tile, two load paths, act_q); the others
+# (persistent, pdl, ws: stage 3) keep their defaults.
 TUNED_FIELDS = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "num_warps", "num_stages", "b_tma", "a_tma", "act_q")
 
 
-def _tile(t: tuple):
-    from moe_modular.kernels.moe_gemm import GemmTile
+def _fields(t: tuple) -> dict:
+    """A candidate tuple as one GEMM's table-entry fields."""
+    return dict(zip(TUNED_FIELDS, t, strict=True))
 
-    return GemmTile(**dict(zip(TUNED_FIELDS, t, strict=True)))
+
+def _config(t1: tuple, t2: tuple):
+    """The TileConfig of a first- and a second-GEMM candidate."""
+    from moe_modular.tile_config import TileConfig
+
+    return TileConfig.from_gemm_fields(_fields(t1), _fields(t2))
 
 
-def _tuned(tile) -> tuple:
-    """The candidate tuple of a GemmTile (its TUNED_FIELDS)."""
-    return tuple(getattr(tile, f) for f in TUNED_FIELDS)
+def _tuned(cfg, which: str) -> tuple:
+    """The candidate tuple of one GEMM of a TileConfig (its TUNED_FIELDS)."""
+    d = cfg.gemm_fields(which)
+    return tuple(d[f] for f in TUNED_FIELDS)
 
 
 def _fits(t, elt_bytes: int, per_expert: float, block_k_limit: Optional[int]) -> bool:
@@ -143,14 +151,14 @@ def launch_options(best, *, hopper: bool, unquantized: bool) -> list:
     both GEMMs, launched as programmatic dependents (pdl), and, unquantized, both GEMMs in the
     warp-specialized kernel on sorted rows (ws with a_tma) where the tiles suit it (BLOCK_M and warps)."""
     from moe_modular.kernels.moe_gemm import WS_MIN_BLOCK_M, WS_WARPS
-    from moe_modular.tile_config import TileConfig
 
-    g1, g2 = best.gemm1, best.gemm2
-    out = [TileConfig(g1, replace(g2, persistent=2))]
+    g1, g2, l1, l2 = best.gemm1, best.gemm2, best.launch1, best.launch2
+    out = [replace(best, launch2=replace(l2, persistent=2))]
     if hopper:
-        out += [TileConfig(g1, replace(g2, pdl=1)), TileConfig(replace(g1, pdl=1), replace(g2, pdl=1))]
+        out += [replace(best, launch2=replace(l2, pdl=1)),
+                replace(best, launch1=replace(l1, pdl=1), launch2=replace(l2, pdl=1))]
         if unquantized and g1.BLOCK_M >= WS_MIN_BLOCK_M and {g1.num_warps, g2.num_warps} <= set(WS_WARPS):
-            out.append(TileConfig(replace(g1, ws=1, a_tma=1), replace(g2, ws=1, a_tma=1)))
+            out.append(replace(best, launch1=replace(l1, ws=1, a_tma=1), launch2=replace(l2, ws=1, a_tma=1)))
     unique = []
     for cfg in out:
         if cfg != best and cfg not in unique:
@@ -297,8 +305,8 @@ def main(argv=None) -> int:
                         bar.update(1, "budget reached")
                         return
                     rec = {"shape": shape_key, "quant": quant_key, "M": M, "stage": stage, **{
-                        f"g1_{k}": v for k, v in asdict(cfg.gemm1).items()}, **{
-                        f"g2_{k}": v for k, v in asdict(cfg.gemm2).items()}}
+                        f"g1_{k}": v for k, v in cfg.gemm_fields("gemm1").items()}, **{
+                        f"g2_{k}": v for k, v in cfg.gemm_fields("gemm2").items()}}
                     try:
                         t = trial(cfg)
                         rec["us"] = t * 1e6
@@ -310,7 +318,7 @@ def main(argv=None) -> int:
                     trials.append(rec)
                     bar.update(1, note)
 
-                stage1 = [TileConfig(_tile(t), _tile(t)) for t in pool]
+                stage1 = [_config(t, t) for t in pool]
                 if args.incumbent:
                     now = incumbent(shipped, shape, qc, M, dev_key)
                     stage1 = [now] + [c for c in stage1 if c != now]
@@ -318,13 +326,13 @@ def main(argv=None) -> int:
                     run(cfg, 1)
                 todo = []
                 if results and args.gemm2:
-                    g1 = min(results, key=lambda r: r[0])[1].gemm1
-                    tried = tuple(_tuned(c.gemm2) for _, c in results if c.gemm1 == g1)
+                    g1 = _tuned(min(results, key=lambda r: r[0])[1], "gemm1")
+                    tried = tuple(_tuned(c, "gemm2") for _, c in results if _tuned(c, "gemm1") == g1)
                     per_expert = M * shape.topk / shape.E
-                    todo = gemm2_candidates(_tuned(g1), pool, tried,
+                    todo = gemm2_candidates(g1, pool, tried,
                                             lambda t: args.space == "smoke" or _fits(t, elt, per_expert, limit))
                     for t2 in todo:
-                        run(TileConfig(g1, _tile(t2)), 2)
+                        run(_config(g1, t2), 2)
                 options = []
                 if results and args.options:
                     options = launch_options(min(results, key=lambda r: r[0])[1], hopper=args.hopper,

@@ -14,22 +14,16 @@ from typing import Optional
 import torch
 
 from moe_modular.config import Activation
-from moe_modular.experts.triton_common import (
-    WorkspaceLayout,
-    bytes_to_numel,
-    check_device,
-    fuses_activation,
-    h1_dtype,
-    h1_view,
-    intermediate_regions,
-)
+from moe_modular.experts.triton_common import check_device, h1_view
+from moe_modular.experts.triton_plan import WorkspaceLayout, batched_layout, fuses_activation
 from moe_modular.experts.triton_experts_base import TritonExpertsBase
 from moe_modular.interfaces import ActivationFormat, ExpertTokensMetadata
+from moe_modular.kernels.gemm_config import AScale, BatchedRows, GemmEpilogue, GemmScales
 from moe_modular.weight_and_reduce import TopKWeightAndReduceDelegate
 
 try:  # the kernels apply launches, imported once (not on every forward); without triton supports() says no
     from moe_modular.kernels.act_and_mul import RowMode, act_and_mul
-    from moe_modular.kernels.moe_gemm import AScale, moe_gemm
+    from moe_modular.kernels.moe_gemm import moe_gemm
 except ImportError:  # pragma: no cover - triton is a dependency; triton_common.TRITON_IMPORT_ERROR says why
     pass
 
@@ -50,13 +44,8 @@ class BatchedTritonExperts(TritonExpertsBase):
         return False
 
     def _layout(self, B: int, N2: int, K: int, El: int) -> tuple[int, WorkspaceLayout]:
-        return self._layouts.get_or_make((B, N2, K, El), lambda: self._make_layout(B, N2, K, El))
-
-    def _make_layout(self, B: int, N2: int, K: int, El: int) -> tuple[int, WorkspaceLayout]:
-        rows = El * B
-        h1_bytes = 0 if self._fused(self.moe.activation) else rows * N2 * h1_dtype(self.moe).itemsize
-        return bytes_to_numel(h1_bytes, self.moe.dtype), intermediate_regions(
-            WorkspaceLayout(), rows, N2 // 2, El, self.moe)
+        return self._layouts.get_or_make(
+            (B, N2, K, El), lambda: batched_layout(self.moe, self._fused(self.moe.activation), B, N2, El))
 
     def _fused(self, activation: Activation) -> bool:
         return fuses_activation(self.fuse_activation, self.moe.quant, activation)
@@ -113,17 +102,18 @@ class BatchedTritonExperts(TritonExpertsBase):
 
         inter = buf["intermediate"]
         inter_scale = buf.get("intermediate_scale", a2_scale)
+        rows = BatchedRows(counts)
         if self._fused(activation):
-            moe_gemm(hidden_states, w1, inter.view(El, B, N), self.tiles.fused_gemm1(cfg.gemm1),
-                     expert_num_tokens_El=counts, fuse_activation=activation)
+            moe_gemm(hidden_states, w1, inter.view(El, B, N), self.tiles.fused_gemm1(cfg.gemm1), rows,
+                     epilogue=GemmEpilogue(activation), launch=cfg.launch1)
         else:
             h1 = h1_view(workspace13, (El, B, N2), self.moe, self._fused(self.moe.activation), activation)
-            moe_gemm(hidden_states, w1, h1, cfg.gemm1, a_scale=a1q_scale, a_scale_mode=a1_mode, b_scale=q.w1_scale,
-                     b_scale_mode=modes.w, group_shape=group, expert_num_tokens_El=counts)
+            moe_gemm(hidden_states, w1, h1, cfg.gemm1, rows,
+                     scales=GemmScales(a1q_scale, a1_mode, q.w1_scale, modes.w, group), launch=cfg.launch1)
             act_and_mul(h1.view(El * B, N2), activation, inter, quant=modes.intermediate, scale=inter_scale,
                         amax_El=buf.get("amax"), group_size=group[1] if q.config.is_block else 128,
                         row_mode=RowMode.BATCHED, num_local_experts=El, expert_num_tokens_El=counts, slots=B)
         if inter_scale is not None and inter_scale.dim() == 2:
             inter_scale = inter_scale.view(El, B, inter_scale.shape[1])
-        moe_gemm(inter.view(El, B, N), w2, output, cfg.gemm2, a_scale=inter_scale, a_scale_mode=modes.a2,
-                 b_scale=q.w2_scale, b_scale_mode=modes.w, group_shape=group, expert_num_tokens_El=counts)
+        moe_gemm(inter.view(El, B, N), w2, output, cfg.gemm2, rows,
+                 scales=GemmScales(inter_scale, modes.a2, q.w2_scale, modes.w, group), launch=cfg.launch2)

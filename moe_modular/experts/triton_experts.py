@@ -14,33 +14,31 @@ capturable):
      intermediate itself; h1 is never stored)
   4. GEMM2: y (R, K) = intermediate @ w2[e].T, dequantized, times the route's top-k weight
   5. moe_sum: output (T, K) = sum of the held routes of each token
-Sorted rows (unquantized SiLU / GELU, where the tiles say a_tma): with gemm1.a_tma, sort_rows first
-gathers the tokens into sorted-route order (S, K) and GEMM1 loads them block by block through a
-tensor descriptor; with gemm2.a_tma, GEMM1 writes the intermediate in sorted order (S, N) and GEMM2
-loads it the same way. S = moe_align's sorted capacity (routes plus per-expert padding).
+Sorted rows (unquantized SiLU / GELU, where the tiles' launch options say a_tma): with launch1.a_tma,
+sort_rows first gathers the tokens into sorted-route order (S, K) and GEMM1 loads them block by block
+through a tensor descriptor; with launch2.a_tma, GEMM1 writes the intermediate in sorted order (S, N)
+and GEMM2 loads it the same way. S = moe_align's sorted capacity (routes plus per-expert padding).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Optional
+from typing import Optional
 
 import torch
 
 from moe_modular.config import Activation
-from moe_modular.experts.triton_common import (
-    MAX_BLOCK_M,
-    WorkspaceLayout,
-    bytes_to_numel,
-    check_device,
-    current_device,
-    fuses_activation,
-    h1_dtype,
-    h1_view,
-    intermediate_regions,
-    overlapping_view,
-)
+from moe_modular.experts.triton_common import check_device, current_device, h1_view, overlapping_view
 from moe_modular.experts.triton_experts_base import TritonExpertsBase
+from moe_modular.experts.triton_plan import (
+    ROUTE_ORDER,
+    Sorting,
+    StandardPlan,
+    WorkspaceLayout,
+    fuses_activation,
+    sorting,
+    standard_layout,
+)
 from moe_modular.interfaces import ActivationFormat, ExpertTokensMetadata
+from moe_modular.kernels.gemm_config import GemmEpilogue, GemmScales, RouteRows, SortedRows
 from moe_modular.kernels.host import BoundedCache
 from moe_modular.weight_and_reduce import TopKWeightAndReduceNoOp
 
@@ -52,39 +50,6 @@ try:  # the kernels apply launches, imported once (not on every forward); withou
     from moe_modular.kernels.sort_rows import sort_rows
 except ImportError:  # pragma: no cover - triton is a dependency; triton_common.TRITON_IMPORT_ERROR says why
     pass
-
-if TYPE_CHECKING:
-    from moe_modular.kernels.moe_gemm import GemmTile
-    from moe_modular.tile_config import TileConfig
-
-
-def _align_regions(layout: WorkspaceLayout, R: int, El: int) -> WorkspaceLayout:
-    """moe_align's int32 buffers, sized for every BLOCK_M up to MAX_BLOCK_M."""
-    from moe_modular.kernels.moe_align import align_workspace_numel
-
-    sizes: dict[str, int] = {}
-    bm = 16
-    while bm <= MAX_BLOCK_M:
-        for name, n in align_workspace_numel(R, El, bm).items():
-            sizes[name] = max(sizes.get(name, 0), n)
-        bm *= 2
-    for name, n in sizes.items():
-        layout.add(name, (n,), torch.int32)
-    return layout
-
-
-@dataclass(frozen=True)
-class _Plan:
-    """What TritonExperts decides on the host for one problem size and activation."""
-
-    cfg: TileConfig
-    sorting: tuple[bool, bool, int]  # TritonExperts._sorting
-    fused: bool  # this activation runs in the first GEMM's epilogue
-    sized_fused: bool  # the workspaces are sized for MoEConfig.activation fused (no h1)
-    gemm1: GemmTile  # the first GEMM's tile as launched (fused: fused_gemm1_tile)
-    ws13_numel: int
-    layout: WorkspaceLayout  # workspace2's regions
-    unsorted_layout: WorkspaceLayout  # the same in route order (workspaces sized for other tiles)
 
 
 class TritonExperts(TritonExpertsBase):
@@ -111,48 +76,27 @@ class TritonExperts(TritonExpertsBase):
         return True
 
     def _plan(self, M: int, El: int, N2: int, K: int, topk: int, activation: Activation,
-              device: torch.device) -> _Plan:
+              device: torch.device) -> StandardPlan:
         """The host-side choices of one problem size (memoized: apply asks on every forward)."""
         return self._plans.get_or_make((M, El, N2, K, topk, activation, device),
                                        lambda: self._make_plan(M, El, N2, K, topk, activation, device))
 
     def _make_plan(self, M: int, El: int, N2: int, K: int, topk: int, activation: Activation,
-                   device: torch.device) -> _Plan:
+                   device: torch.device) -> StandardPlan:
+        q = self.moe.quant
         cfg = self.tiles(M, El, N2 // 2, K, topk, device)
-        sorting = self._sorting(cfg, activation)
-        fused, sized_fused = self._fused(cfg, activation), self._fused(cfg, self.moe.activation)
-        ws13_numel, layout = self._layout(M, N2, K, topk, El, sorting, sized_fused)
-        _, unsorted_layout = self._layout(M, N2, K, topk, El, (False, False, 0), sized_fused)
-        return _Plan(cfg, sorting, fused, sized_fused, self.tiles.fused_gemm1(cfg.gemm1) if fused else cfg.gemm1,
-                     ws13_numel, layout, unsorted_layout)
+        order = sorting(self.fuse_activation, q, cfg, activation)
+        fused = fuses_activation(self.fuse_activation, q, activation, cfg)
+        sized_fused = fuses_activation(self.fuse_activation, q, self.moe.activation, cfg)
+        ws13_numel, layout = self._layout(M, N2, K, topk, El, order, sized_fused)
+        _, unsorted_layout = self._layout(M, N2, K, topk, El, ROUTE_ORDER, sized_fused)
+        return StandardPlan(cfg, order, fused, sized_fused, self.tiles.fused_gemm1(cfg.gemm1) if fused else cfg.gemm1,
+                            ws13_numel, layout, unsorted_layout)
 
-    def _layout(self, M: int, N2: int, K: int, topk: int, El: int, sorting: tuple[bool, bool, int],
+    def _layout(self, M: int, N2: int, K: int, topk: int, El: int, order: Sorting,
                 fused: bool) -> tuple[int, WorkspaceLayout]:
-        return self._layouts.get_or_make((M, N2, K, topk, El, sorting, fused),
-                                         lambda: self._make_layout(M, N2, K, topk, El, sorting, fused))
-
-    def _make_layout(self, M: int, N2: int, K: int, topk: int, El: int, sorting: tuple[bool, bool, int],
-                     fused: bool) -> tuple[int, WorkspaceLayout]:
-        from moe_modular.kernels.moe_align import sorted_capacity
-
-        sort_in, sort_mid, block_m = sorting
-        R = M * topk
-        S = sorted_capacity(R, El, block_m) if (sort_in or sort_mid) else 0
-        item = self.moe.dtype.itemsize
-        h1_bytes = 0 if fused else R * N2 * h1_dtype(self.moe).itemsize
-        ws13_numel = bytes_to_numel(max(h1_bytes, R * K * item, S * K * item if sort_in else 0), self.moe.dtype)
-        ws2 = intermediate_regions(WorkspaceLayout(), S if sort_mid else R, N2 // 2, El, self.moe)
-        return ws13_numel, _align_regions(ws2, R, El)
-
-    def _fused(self, cfg, activation: Activation) -> bool:
-        return fuses_activation(self.fuse_activation, self.moe.quant, activation, cfg.gemm1)
-
-    def _sorting(self, cfg, activation: Activation) -> tuple[bool, bool, int]:
-        """(sort the tokens for GEMM1, keep the intermediate in sorted order, BLOCK_M): only where
-        GEMM1 writes the intermediate itself (fused activation) and the tiles load A by descriptor."""
-        fused = fuses_activation(self.fuse_activation, self.moe.quant, activation)  # unquantized only
-        sort_in, sort_mid = fused and bool(cfg.gemm1.a_tma), fused and bool(cfg.gemm2.a_tma)
-        return sort_in, sort_mid, cfg.block_m if (sort_in or sort_mid) else 0
+        return self._layouts.get_or_make((M, N2, K, topk, El, order, fused),
+                                         lambda: standard_layout(self.moe, M, N2, K, topk, El, order, fused))
 
     def workspace_shapes(self, M, N2, K, topk, global_num_experts, local_num_experts, expert_tokens_meta):
         """workspace13 holds h1 (R, N2) (float32 for fp8 schemes; not stored when the first GEMM applies
@@ -198,46 +142,45 @@ class TritonExperts(TritonExpertsBase):
         q, modes = self.quant, self.modes
         group = q.config.block_shape if q.config.is_block else (1, 1)
         plan = self._plan(T, El, N2, K, topk, activation, hidden_states.device)
-        cfg, sorting, fused, layout = plan.cfg, plan.sorting, plan.fused, plan.layout
-        if sorting[2] and (workspace13.numel() < plan.ws13_numel or
-                           workspace2.numel() < layout.numel(workspace2.dtype)):
+        cfg, order, fused, layout = plan.cfg, plan.order, plan.fused, plan.layout
+        if order.any and (workspace13.numel() < plan.ws13_numel or workspace2.numel() < layout.numel(workspace2.dtype)):
             # sized for another device's tiles (workspace_shapes plans for the current device): route order
-            sorting, layout = (False, False, 0), plan.unsorted_layout
-        sort_in, sort_mid, _ = sorting
+            order, layout = ROUTE_ORDER, plan.unsorted_layout
         view_key = (workspace13.data_ptr(), workspace13.numel(), workspace13.device, R, K, output.dtype)
         y = self._views.get_or_make(view_key, lambda: overlapping_view(workspace13, (R, K), output.dtype))
         buf = layout.carve(workspace2)
         if not topk_ids.is_contiguous():
             topk_ids = topk_ids.contiguous()
 
-        if T == 1 and not (sort_in or sort_mid):  # one token: its k routes hit k distinct experts, a block each
-            align = dict(topk_ids_Tk=topk_ids, expert_map_E=expert_map, num_routes=R)
+        if T == 1 and not order.any:  # one token: its k routes hit k distinct experts, a block each
+            rows1 = RouteRows(topk_ids, R, topk, expert_map)
+            rows2 = RouteRows(topk_ids, R, 1, expert_map)
         else:
             sorted_ids, block_expert, num_post_padded = moe_align(topk_ids, cfg.block_m, El, expert_map, buffers=buf)
-            align = dict(sorted_ids_S=sorted_ids, block_expert_Mb=block_expert, num_post_padded=num_post_padded,
-                         num_routes=R)
+            rows1 = SortedRows(sorted_ids, block_expert, num_post_padded, R, topk, order.sort_in, order.sort_mid)
+            rows2 = SortedRows(sorted_ids, block_expert, num_post_padded, R, 1, order.sort_mid)
         inter_scale = buf.get("intermediate_scale", a2_scale)
-        gemm1_scales = dict(a_scale=a1q_scale, a_scale_mode=modes.a1, b_scale=q.w1_scale, b_scale_mode=modes.w,
-                            group_shape=group)
+        scales1 = GemmScales(a1q_scale, modes.a1, q.w1_scale, modes.w, group)
         if fused:
             a1 = hidden_states
-            if sort_in:  # workspace13's y is written only after GEMM1 is done with the sorted tokens
+            if order.sort_in:  # workspace13's y is written only after GEMM1 is done with the sorted tokens
                 a1 = sort_rows(hidden_states, sorted_ids, num_post_padded, topk,
                                overlapping_view(workspace13, (sorted_ids.numel(), K), hidden_states.dtype))
             # fp8 block (act_q): the intermediate leaves quantized, one scale per row and group
-            inter_q = dict(c_scale=inter_scale, c_group=group[1]) if q.config.is_quantized else {}
-            moe_gemm(a1, w1, buf["intermediate"], plan.gemm1, a_row_div=topk,
-                     fuse_activation=activation, a_sorted=sort_in, c_sorted=sort_mid, **gemm1_scales, **inter_q,
-                     **align)
+            epilogue1 = (GemmEpilogue(activation, c_scale=inter_scale, c_group=group[1]) if q.config.is_quantized
+                         else GemmEpilogue(activation))
+            moe_gemm(a1, w1, buf["intermediate"], plan.gemm1, rows1, scales=scales1, epilogue=epilogue1,
+                     launch=cfg.launch1)
         else:
             h1 = h1_view(workspace13, (R, N2), self.moe, plan.sized_fused, activation)
-            moe_gemm(hidden_states, w1, h1, plan.gemm1, a_row_div=topk, **gemm1_scales, **align)
+            moe_gemm(hidden_states, w1, h1, plan.gemm1, rows1, scales=scales1, launch=cfg.launch1)
             act_and_mul(h1, activation, buf["intermediate"], quant=modes.intermediate, scale=inter_scale,
                         amax_El=buf.get("amax"), group_size=group[1] if q.config.is_block else 128,
                         row_mode=RowMode.ROUTES, topk_ids_Tk=topk_ids, expert_map_E=expert_map,
                         num_local_experts=El)
-        moe_gemm(buf["intermediate"], w2, y, cfg.gemm2, a_scale=inter_scale, a_scale_mode=modes.a2,
-                 b_scale=q.w2_scale, b_scale_mode=modes.w, group_shape=group, a_row_div=1,
-                 topk_weights_Tk=None if apply_router_weight_on_input else topk_weights, a_sorted=sort_mid, **align)
-        # with gemm2.pdl the top-k sum, too, starts while the second GEMM finishes
-        moe_sum(y, topk_ids, output, El, expert_map, pdl=bool(cfg.gemm2.pdl))
+        moe_gemm(buf["intermediate"], w2, y, cfg.gemm2, rows2,
+                 scales=GemmScales(inter_scale, modes.a2, q.w2_scale, modes.w, group),
+                 epilogue=GemmEpilogue(topk_weights_Tk=None if apply_router_weight_on_input else topk_weights),
+                 launch=cfg.launch2)
+        # with the second GEMM's pdl the top-k sum, too, starts while the second GEMM finishes
+        moe_sum(y, topk_ids, output, El, expert_map, pdl=bool(cfg.launch2.pdl))

@@ -4,7 +4,8 @@ from __future__ import annotations
 from typing import Optional
 
 from moe_modular.config import MoEConfig
-from moe_modular.experts.triton_common import TileSelector, scheme_modes, triton_supports
+from moe_modular.experts.triton_common import triton_supports
+from moe_modular.experts.triton_plan import TileSelector, scheme_modes
 from moe_modular.kernels.host import BoundedCache
 from moe_modular.interfaces import FusedMoEExpertsModular
 from moe_modular.quant import MoEQuantParams

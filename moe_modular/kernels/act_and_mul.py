@@ -26,21 +26,12 @@ from moe_modular.kernels.common import (
     scale_of,
     to_fp8,
 )
+from moe_modular.kernels.gemm_config import IntermediateQuant
 from moe_modular.kernels.host import cdiv, next_pow2
 from moe_modular.kernels.launcher import launch
 
 TARGET_PROGRAMS = 4096  # a GPU launch spreads smaller batches over at least this many programs (act_blocks)
 # ---- Triton -------------------------------------------------------------------------
-
-class IntermediateQuant(enum.Enum):
-    """How the activation output is written."""
-
-    NONE = "none"  # in the output tensor's dtype
-    TENSOR_STATIC = "tensor-static"  # fp8 with a given (1,) scale
-    TENSOR_DYNAMIC = "tensor-dynamic"  # fp8, one scale per local expert from that expert's amax
-    TOKEN = "token"  # fp8, one scale per row
-    GROUP = "group"  # fp8, one scale per row and group of columns
-
 
 class RowMode(enum.Enum):
     """Which rows of the launch hold data, and which local expert each belongs to."""
@@ -53,8 +44,6 @@ class RowMode(enum.Enum):
 # moe_modular.config.Activation -> the kernels' activation code (kernels/common.py)
 ACT_CODE: dict[Activation, int] = {Activation.SILU: ACT_SILU.value, Activation.GELU: ACT_GELU.value,
                                    Activation.SWIGLU_OAI: ACT_SWIGLU_OAI.value}
-# Activations the first GEMM can apply in its epilogue (gate and up are contiguous halves of w1).
-GEMM_FUSABLE_ACTIVATIONS = (Activation.SILU, Activation.GELU)
 _Q_CODE: dict[IntermediateQuant, int] = {IntermediateQuant.NONE: 0, IntermediateQuant.TENSOR_STATIC: 1,
                                          IntermediateQuant.TENSOR_DYNAMIC: 3, IntermediateQuant.TOKEN: 4,
                                          IntermediateQuant.GROUP: 5}

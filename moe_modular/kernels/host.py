@@ -76,9 +76,9 @@ def triton_release_checked(triton_version: str, checked: tuple[str, ...], warnin
 
 @functools.lru_cache(maxsize=None)
 def gluon_kernels_enabled(triton_version: str) -> bool:
-    """Whether tile.ws runs the Gluon kernels under this Triton (major.minor in GLUON_CHECKED_TRITON); elsewhere the
+    """Whether LaunchOptions.ws runs the Gluon kernels under this Triton (major.minor in GLUON_CHECKED_TRITON); elsewhere the
     Triton kernel runs with the same values, and one warning says so."""
     return triton_release_checked(
         triton_version, GLUON_CHECKED_TRITON,
-        f"tile.ws: the warp-specialized Gluon kernels are checked on Triton {list(GLUON_CHECKED_TRITON)}; "
+        f"LaunchOptions.ws: the warp-specialized Gluon kernels are checked on Triton {list(GLUON_CHECKED_TRITON)}; "
         f"Triton {triton_version} runs the Triton kernel instead (same values)")

@@ -5,16 +5,16 @@ Shape legend:
   Ko reduction size (K for the first GEMM, N for the second)   No output columns
   S sorted-id capacity   Mb blocks of BLOCK_M rows   G = ceil(Ko / group_k) activation groups
 
-Two row layouts share one kernel:
-  Standard: rows come from sorted_ids_S (moe_align): block b of BLOCK_M entries belongs to local
-    expert block_expert_Mb[b]; entry s < R reads A row s // a_row_div and writes C row s; s == R pads.
-    Sorted A / C (a_sorted, c_sorted): the entry at position p of sorted_ids_S reads A row p / writes
-    C row p instead, so a block's rows are contiguous (a first GEMM writing the intermediate in sorted
-    order lets the second GEMM load it through a tensor descriptor); rows of padding entries are
-    neither read as data nor written (their contents are unspecified).
-    Per route (topk_ids_Tk instead of sorted_ids_S): block r is route r alone, its expert read from
-    the topk ids (through the expert map); no alignment, for a single token (k distinct experts).
-  Batched: A (El, Bt, Ko), C (El, Bt, No); expert e computes its first expert_num_tokens[e] rows.
+Three row layouts (gemm_config.py) share one kernel:
+  SortedRows (the standard format): rows come from sorted_ids_S (moe_align): block b of BLOCK_M entries
+    belongs to local expert block_expert_Mb[b]; entry s < R reads A row s // a_row_div and writes C row s;
+    s == R pads. Sorted A / C (a_sorted, c_sorted): the entry at position p of sorted_ids_S reads A row p /
+    writes C row p instead, so a block's rows are contiguous (a first GEMM writing the intermediate in sorted
+    order lets the second GEMM load it through a tensor descriptor); rows of padding entries are neither read
+    as data nor written (their contents are unspecified).
+  RouteRows: block r is route r alone, its expert read from the topk ids (through the expert map); no
+    alignment, for a single token (k distinct experts).
+  BatchedRows: A (El, Bt, Ko), C (El, Bt, No); expert e computes its first expert_num_tokens[e] rows.
 
 Scales (float32, multiplied to dequantize; quant.py gives the layouts):
   A: NONE | TENSOR (1,) | EXPERT (El,) | ROW one per A row | GROUP one per A row and group_k columns
@@ -23,8 +23,6 @@ GROUP goes with BLOCK and needs BLOCK_K to divide group_k, so each K tile has a 
 """
 from __future__ import annotations
 
-import enum
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Optional
 
 import torch
@@ -33,7 +31,7 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from moe_modular.config import Activation
-from moe_modular.kernels.act_and_mul import ACT_CODE, GEMM_FUSABLE_ACTIVATIONS, gated_act
+from moe_modular.kernels.act_and_mul import ACT_CODE, gated_act
 from moe_modular.kernels.common import (
     FP8_WS_GROUP,
     FP8_WS_TILE,
@@ -45,7 +43,24 @@ from moe_modular.kernels.common import (
     to_fp8,
 )
 from moe_modular.kernels.host import cdiv, gluon_kernels_enabled, gpu_has_tma, pdl_launch
-from moe_modular.kernels.launcher import launch
+from moe_modular.kernels.gemm_config import (
+    DEFAULT_LAUNCH,
+    GEMM_FUSABLE_ACTIVATIONS,
+    NO_SCALES,
+    PLAIN_EPILOGUE,
+    ROW_LAYOUTS,
+    AScale,
+    BatchedRows,
+    BScale,
+    GemmEpilogue,
+    GemmScales,
+    GemmTile,
+    LaunchOptions,
+    RouteRows,
+    RowLayout,
+    SortedRows,
+)
+from moe_modular.kernels.launcher import launch as launch_kernel
 
 if TYPE_CHECKING:
     from triton.tools.tensor_descriptor import TensorDescriptor
@@ -60,48 +75,6 @@ B_NONE: tl.constexpr = tl.constexpr(0)
 B_TENSOR: tl.constexpr = tl.constexpr(1)
 B_CHANNEL: tl.constexpr = tl.constexpr(2)
 B_BLOCK: tl.constexpr = tl.constexpr(3)
-
-
-class AScale(enum.Enum):
-    """Layout of the A (activation) scale."""
-
-    NONE = 0
-    TENSOR = 1  # (1,)
-    EXPERT = 2  # (El,), one per local expert
-    ROW = 3  # one per A row
-    GROUP = 4  # one per A row and group of group_k columns
-
-
-class BScale(enum.Enum):
-    """Layout of the B (weight) scale."""
-
-    NONE = 0
-    TENSOR = 1  # (El,)
-    CHANNEL = 2  # (El, No, 1)
-    BLOCK = 3  # (El, ceil(No / group_n), ceil(Ko / group_k))
-
-
-@dataclass(frozen=True)
-class GemmTile:
-    """Launch parameters of one grouped GEMM."""
-
-    BLOCK_M: int
-    BLOCK_N: int
-    BLOCK_K: int
-    GROUP_M: int = 1
-    num_warps: int = 4
-    num_stages: int = 3
-    b_tma: int = 0  # 1: B tiles arrive through a tensor descriptor (TMA on Hopper) instead of pointers
-    a_tma: int = 0  # 1: A tiles too, where A's rows are contiguous per block (sorted A, batched format)
-    act_q: int = 0  # 1 (fp8-block, standard format; read from the first GEMM's tile): the activation and its group
-    # quantization in the epilogue
-    persistent: int = 0  # standard format: 1 launches a program per SM that walks the tiles, 2 also flattens that
-    # loop nest (the next tile's loads overlap this tile's epilogue); batched and per-route launches ignore it
-    pdl: int = 0  # 1 (a GPU of compute capability >= 9): launched as a programmatic dependent of the kernel before it:
-    # its programs are placed while that one finishes and wait for its end (griddepcontrol.wait) before they read
-    # anything; the warp-specialized kernel ignores it
-    ws: int = 0  # 1: the warp-specialized Gluon kernel (moe_gemm_ws.py, a program per SM) where it covers the launch
-    # (ws_applies); elsewhere this kernel, same values
 
 
 @triton.jit
@@ -305,10 +278,6 @@ def _gemm_tile(
     tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=row_mask[:, None] & n_mask[None, :])
 
 
-# GemmTile.persistent: 0 a program per tile, 1 a program per SM walking the tiles, 2 that with the loop nest flattened.
-PERSISTENT_MODES = (0, 1, 2)
-# GemmTile.ws: 0 this kernel, 1 the warp-specialized Gluon kernel (moe_gemm_ws.py) where ws_applies.
-WS_MODES = (0, 1)
 WS_MIN_BLOCK_M = 64
 WS_WARPS = (4, 8)  # one or two warpgroups
 # Programs of a persistent launch in the interpreter (a few, so each walks several tiles).
@@ -350,13 +319,13 @@ def tma_addressable(t: torch.Tensor) -> bool:
     return last == 1 and not any((s * item) % 16 for s in outer) and t.data_ptr() % 16 == 0
 
 
-def ws_applies(tile: GemmTile, a: torch.Tensor, b_ENK: torch.Tensor, c: torch.Tensor, *, standard: bool,
-               a_sorted: bool, scaled: bool, c_group: int) -> bool:
-    """Whether moe_gemm runs `tile` with the warp-specialized kernel: tile.ws on a Hopper-class GPU, the
-    standard format, bf16 / fp16 operands and output of one dtype without scales, B and C rows contiguous,
-    B 16-byte aligned (TMA boxes); A sorted (TMA boxes) or, gathered by the kernel, in whole K tiles with
-    16-byte aligned rows."""
-    if not (tile.ws and standard and not scaled and not c_group and gpu_has_tma(a.device)):
+def ws_applies(tile: GemmTile, launch: LaunchOptions, a: torch.Tensor, b_ENK: torch.Tensor, c: torch.Tensor,
+               rows: RowLayout, scales: GemmScales, epilogue: GemmEpilogue) -> bool:
+    """Whether moe_gemm runs with the warp-specialized kernel: launch.ws on a Hopper-class GPU, sorted rows,
+    bf16 / fp16 operands and output of one dtype without scales, B and C rows contiguous, B 16-byte aligned (TMA
+    boxes); A sorted (TMA boxes) or, gathered by the kernel, in whole K tiles with 16-byte aligned rows."""
+    if not (launch.ws and isinstance(rows, SortedRows) and not scales.scaled and not epilogue.c_group
+            and gpu_has_tma(a.device)):
         return False
     if not gluon_kernels_enabled(triton.__version__):
         return False
@@ -364,43 +333,43 @@ def ws_applies(tile: GemmTile, a: torch.Tensor, b_ENK: torch.Tensor, c: torch.Te
         return False
     if not b_ENK.is_contiguous() or c.stride(-1) != 1 or not tma_addressable(b_ENK.view(-1, b_ENK.shape[-1])):
         return False
-    return tma_addressable(a) and (a_sorted or a.shape[-1] % tile.BLOCK_K == 0)
+    return tma_addressable(a) and (rows.a_sorted or a.shape[-1] % tile.BLOCK_K == 0)
 
 
 _FP8_WS_SCALES = {(AScale.GROUP, BScale.BLOCK): "BLOCK", (AScale.ROW, BScale.CHANNEL): "ROW"}
 
 
-def fp8_ws_scales(tile: GemmTile, a: torch.Tensor, b_ENK: torch.Tensor, c: torch.Tensor, *, standard: bool,
-                  a_scale: Optional[torch.Tensor], a_scale_mode: AScale,
-                  b_scale: Optional[torch.Tensor], b_scale_mode: BScale, group_shape: tuple[int, int],
-                  fused: bool, c_group: int) -> Optional[str]:
-    """The Fp8Scales name moe_gemm runs `tile` with in the fp8 warp-specialized kernel, or None where it does not:
-    tile.ws on a Hopper-class GPU, the standard format, fp8 e4m3 A and B with 1 x 128 / 128 x 128 block scales or
+def fp8_ws_scales(tile: GemmTile, launch: LaunchOptions, a: torch.Tensor, b_ENK: torch.Tensor, c: torch.Tensor,
+                  rows: RowLayout, scales: GemmScales, epilogue: GemmEpilogue) -> Optional[str]:
+    """The Fp8Scales name moe_gemm runs with in the fp8 warp-specialized kernel, or None where it does not:
+    launch.ws on a Hopper-class GPU, sorted rows, fp8 e4m3 A and B with 1 x 128 / 128 x 128 block scales or
     per-row / per-channel scales, the tile FP8_WS_TILE with FP8_WS_WARPS warps, Ko a multiple of 128 (whole K
     steps), A and B TMA-addressable (sorted A loads by TMA, gathered A in 16-byte vectors), B contiguous, scales
-    unit-strided along K; fused: block scales, N a multiple of
-    128 and the output quantized in 1 x 128 groups; else a 16-bit or float32 output."""
-    if not (tile.ws and standard and gpu_has_tma(a.device)) or not gluon_kernels_enabled(triton.__version__):
+    unit-strided along K; with an activation: block scales, N a multiple of 128 and the output quantized in
+    1 x 128 groups; else a 16-bit or float32 output."""
+    if not (launch.ws and isinstance(rows, SortedRows) and gpu_has_tma(a.device)):
+        return None
+    if not gluon_kernels_enabled(triton.__version__):
         return None
     fp8 = torch.float8_e4m3fn
-    scales = _FP8_WS_SCALES.get((a_scale_mode, b_scale_mode))
-    if scales is None or a.dtype != fp8 or b_ENK.dtype != fp8:
+    name = _FP8_WS_SCALES.get((scales.a_mode, scales.b_mode))
+    if name is None or a.dtype != fp8 or b_ENK.dtype != fp8:
         return None
     if (tile.BLOCK_M, tile.BLOCK_N, tile.BLOCK_K) != FP8_WS_TILE or tile.num_warps != FP8_WS_WARPS:
         return None
     El, No, Ko = b_ENK.shape
-    if Ko % FP8_WS_TILE[2] or (scales == "BLOCK" and tuple(group_shape) != (FP8_WS_GROUP, FP8_WS_GROUP)):
+    if Ko % FP8_WS_TILE[2] or (name == "BLOCK" and tuple(scales.group_shape) != (FP8_WS_GROUP, FP8_WS_GROUP)):
         return None
-    if fused:
-        if scales != "BLOCK" or (No // 2) % FP8_WS_GROUP or c.dtype != fp8 or c_group != FP8_WS_GROUP:
+    if epilogue.activation is not None:
+        if name != "BLOCK" or (No // 2) % FP8_WS_GROUP or c.dtype != fp8 or epilogue.c_group != FP8_WS_GROUP:
             return None
-    elif c.dtype not in (torch.bfloat16, torch.float16, torch.float32) or c_group:
+    elif c.dtype not in (torch.bfloat16, torch.float16, torch.float32) or epilogue.c_group:
         return None
     if not b_ENK.is_contiguous() or c.stride(-1) != 1 or not tma_addressable(b_ENK.view(-1, Ko)):
         return None
-    if scales == "BLOCK" and (a_scale.stride(-1) != 1 or b_scale.stride(-1) != 1):
+    if name == "BLOCK" and (scales.a.stride(-1) != 1 or scales.b.stride(-1) != 1):
         return None
-    return scales if tma_addressable(a) else None
+    return name if tma_addressable(a) else None
 
 
 def _a_scale_strides(scale: Optional[torch.Tensor], mode: AScale, batched: bool) -> tuple[int, int, int]:
@@ -412,117 +381,90 @@ def _a_scale_strides(scale: Optional[torch.Tensor], mode: AScale, batched: bool)
     return (0, 0, 0)
 
 
+def _b_scale_strides(scale: Optional[torch.Tensor], mode: BScale) -> tuple[int, int, int]:
+    """(expert, row, group) strides of a B scale in `mode`."""
+    if mode is BScale.TENSOR:
+        return (scale.stride(0), 0, 0)
+    if mode is BScale.CHANNEL:
+        return (scale.stride(0), scale.stride(1), 0)
+    return _strides(scale, 3)
+
+
+def _check(a: torch.Tensor, b_ENK: torch.Tensor, c: torch.Tensor, tile: GemmTile, launch: LaunchOptions,
+           rows: RowLayout, scales: GemmScales, epilogue: GemmEpilogue) -> int:
+    """Validate one launch's values against each other; returns No (C's columns)."""
+    if not isinstance(rows, ROW_LAYOUTS):
+        raise ValueError(f"rows ({type(rows).__name__}) must be one of {[t.__name__ for t in ROW_LAYOUTS]}")
+    El, No, Ko = b_ENK.shape
+    if epilogue.activation is not None:
+        if epilogue.activation not in GEMM_FUSABLE_ACTIVATIONS:
+            raise ValueError(f"GemmEpilogue.activation ({epilogue.activation!r}) must be one of "
+                             f"{[a.value for a in GEMM_FUSABLE_ACTIVATIONS]}")
+        modes = (scales.a_mode, scales.b_mode)
+        if modes not in ((AScale.NONE, BScale.NONE), (AScale.GROUP, BScale.BLOCK)) or epilogue.topk_weights_Tk is not None:
+            raise ValueError(f"GemmEpilogue.activation is for a first GEMM without top-k weights, unquantized or with "
+                             f"group activation / block weight scales; got scales {modes[0].name} / {modes[1].name}")
+        if No % 2 or c.shape[-1] != No // 2:
+            raise ValueError(f"GemmEpilogue.activation needs b_ENK.size(1) ({No}) even and c with {No // 2} columns, "
+                             f"got {c.shape[-1]}")
+        No //= 2
+    if a.shape[-1] != Ko:
+        raise ValueError(f"reduction size of a ({a.shape[-1]}) must equal b_ENK.size(2) ({Ko})")
+    c_group = epilogue.c_group
+    if c_group:
+        c_scale = epilogue.c_scale
+        if epilogue.activation is None or c.dtype != torch.float8_e4m3fn or c_scale is None:
+            raise ValueError(f"GemmEpilogue.c_group ({c_group}) needs an activation, an fp8 e4m3 c (got {c.dtype}) "
+                             f"and c_scale")
+        if c_group & (c_group - 1) or tile.BLOCK_N % c_group:
+            raise ValueError(f"GemmEpilogue.c_group ({c_group}) must be a power of two dividing tile.BLOCK_N "
+                             f"({tile.BLOCK_N})")
+        want = (c.shape[0], cdiv(No, c_group))
+        if tuple(c_scale.shape) != want or c_scale.dtype != torch.float32:
+            raise ValueError(f"GemmEpilogue.c_scale ({tuple(c_scale.shape)}, {c_scale.dtype}) must be {want} float32")
+    if scales.a_mode is AScale.GROUP and (scales.b_mode is not BScale.BLOCK or scales.group_shape[1] % tile.BLOCK_K):
+        raise ValueError(f"group scales need block weight scales and BLOCK_K ({tile.BLOCK_K}) dividing group_k "
+                         f"({scales.group_shape[1]})")
+    if isinstance(rows, SortedRows):
+        S = rows.sorted_ids_S.numel()
+        for flag, on, t in (("a_sorted", rows.a_sorted, a), ("c_sorted", rows.c_sorted, c)):
+            if on and t.shape[0] < S:
+                raise ValueError(f"SortedRows.{flag} needs {flag[0]} with sorted_ids_S.numel() ({S}) rows, "
+                                 f"got {t.shape[0]}")
+    if tile.BLOCK_M & (tile.BLOCK_M - 1) or tile.BLOCK_N & (tile.BLOCK_N - 1) or tile.BLOCK_K & (tile.BLOCK_K - 1):
+        raise ValueError(f"tile {tile} must have power-of-two blocks")
+    if launch.ws and (tile.BLOCK_M < WS_MIN_BLOCK_M or tile.num_warps not in WS_WARPS):
+        raise ValueError(f"LaunchOptions.ws needs BLOCK_M >= {WS_MIN_BLOCK_M} (a warpgroup's MMA rows) and num_warps "
+                         f"in {WS_WARPS}, got BLOCK_M {tile.BLOCK_M}, num_warps {tile.num_warps}")
+    return No
+
+
 def moe_gemm(
     a: torch.Tensor,
     b_ENK: torch.Tensor,
     c: torch.Tensor,
     tile: GemmTile,
+    rows: RowLayout,
     *,
-    a_scale: Optional[torch.Tensor] = None,
-    a_scale_mode: AScale = AScale.NONE,
-    b_scale: Optional[torch.Tensor] = None,
-    b_scale_mode: BScale = BScale.NONE,
-    group_shape: tuple[int, int] = (1, 1),
-    topk_weights_Tk: Optional[torch.Tensor] = None,
-    sorted_ids_S: Optional[torch.Tensor] = None,
-    block_expert_Mb: Optional[torch.Tensor] = None,
-    num_post_padded: Optional[torch.Tensor] = None,
-    a_row_div: int = 1,
-    num_routes: int = 0,
-    expert_num_tokens_El: Optional[torch.Tensor] = None,
-    fuse_activation: Optional[Activation] = None,
-    a_sorted: bool = False,
-    c_sorted: bool = False,
-    topk_ids_Tk: Optional[torch.Tensor] = None,
-    expert_map_E: Optional[torch.Tensor] = None,
-    c_scale: Optional[torch.Tensor] = None,
-    c_group: int = 0,
+    scales: GemmScales = NO_SCALES,
+    epilogue: GemmEpilogue = PLAIN_EPILOGUE,
+    launch: LaunchOptions = DEFAULT_LAUNCH,
 ) -> torch.Tensor:
     """Launch one grouped GEMM; returns c.
 
-    Standard (sorted_ids_S given): a (rows, Ko), c (R, No) written at the rows of sorted_ids_S,
-      a_row_div = k when a holds tokens (first GEMM) or 1 when it holds routes (second GEMM);
-      num_routes = R; topk_weights_Tk (T, k) float32 multiplies row s by weight[s // k, s % k].
-    Per route (topk_ids_Tk given instead of the alignment): block r holds route r alone (its first
-      row), its expert topk_ids_Tk[r // k, r % k] (local ids, or global ids mapped by expert_map_E;
-      not held: nothing written); rows as in the standard format. No alignment kernel; meant for a
-      single token, whose k routes go to k distinct experts, so no expert's weights are read twice.
-    Batched (expert_num_tokens_El given): a (El, Bt, Ko), c (El, Bt, No).
-    b_ENK (El, No, Ko); scales as in the module docstring; group_shape = (group_n, group_k) for BLOCK.
-    fuse_activation (SiLU or GELU; unquantized, or fp8 groups with block weights): b_ENK holds the
-      gate rows then the up rows (El, 2 * No, Ko) and c gets act(a @ gate.T) * (a @ up.T), (rows, No);
-      tile.BLOCK_N counts c's columns (each program reads 2 * BLOCK_N rows of b_ENK).
-    c_group (with fuse_activation and fp8 c): c is quantized in 1 x c_group groups, c_scale (rows,
-      ceil(No / c_group)) float32 gets the scales; tile.BLOCK_N must hold whole groups.
-    a_sorted / c_sorted (standard): A / C rows in sorted order (row p for position p of sorted_ids_S;
-      a or c then has sorted_ids_S.numel() rows); the A scale, if per row, is in the same order as A.
-    tile.b_tma / tile.a_tma: B / A tiles through tensor descriptors where TMA can address them (A: only
-      with a_sorted or batched, whose block rows are contiguous); elsewhere pointers, same values.
-    tile.persistent (standard format): min(tiles, SMs) programs walk the tiles of the filled blocks
-      (1), with the loop nest flattened (2); same values, only the schedule differs.
-    tile.pdl (a GPU of compute capability >= 9; the warp-specialized kernel ignores it): launched as a
-      programmatic dependent of the kernel before it, whose end its programs wait for before they read
-      anything; same values, the launch gap overlaps.
-    tile.ws: the warp-specialized Hopper kernel of moe_gemm_ws.py where ws_applies (standard format, 16-bit
-      operands without scales, a Hopper-class GPU; A sorted, or gathered by the kernel in whole K tiles);
-      elsewhere this kernel, same values.
+    rows (gemm_config.py): SortedRows, a (rows, Ko) and c (R, No) at the rows moe_align sorted; RouteRows, a block
+      per route (a single token); BatchedRows, a (El, Bt, Ko) and c (El, Bt, No).
+    b_ENK (El, No, Ko); scales as in the module docstring; epilogue: the gated activation (b_ENK then holds the
+      gate rows then the up rows, c has No / 2 columns), the top-k weights, the output's group quantization.
+    launch: how tiles are loaded and scheduled (tensor descriptors, persistent programs, programmatic dependent
+      launch, the warp-specialized Hopper kernels of moe_gemm_ws.py / moe_gemm_ws_fp8.py where they cover the
+      case); the values are the same under every option.
     """
-    batched = expert_num_tokens_El is not None
-    per_route = topk_ids_Tk is not None
-    if batched + per_route + (sorted_ids_S is not None) != 1:
-        raise ValueError("moe_gemm needs exactly one of sorted_ids_S (standard), topk_ids_Tk (per route) or "
-                         "expert_num_tokens_El (batched)")
-    if per_route and (a_sorted or c_sorted):
-        raise ValueError(f"per-route blocks (topk_ids_Tk) read and write route order: a_sorted ({a_sorted}) and "
-                         f"c_sorted ({c_sorted}) must be False")
-    if per_route and not topk_ids_Tk.is_contiguous():
-        raise ValueError(f"topk_ids_Tk must be contiguous for per-route blocks, got strides "
-                         f"{tuple(topk_ids_Tk.stride())}")
-    El, No, Ko = b_ENK.shape
-    if fuse_activation is not None:
-        if fuse_activation not in GEMM_FUSABLE_ACTIVATIONS:
-            raise ValueError(f"fuse_activation ({fuse_activation!r}) must be one of "
-                             f"{[a.value for a in GEMM_FUSABLE_ACTIVATIONS]}")
-        scales = (a_scale_mode, b_scale_mode)
-        if scales not in ((AScale.NONE, BScale.NONE), (AScale.GROUP, BScale.BLOCK)) or topk_weights_Tk is not None:
-            raise ValueError(f"fuse_activation is for a first GEMM without top-k weights, unquantized or with group "
-                             f"activation / block weight scales; got scales {scales[0].name} / {scales[1].name}")
-        if No % 2 or c.shape[-1] != No // 2:
-            raise ValueError(f"fuse_activation needs b_ENK.size(1) ({No}) even and c with {No // 2} columns, "
-                             f"got {c.shape[-1]}")
-        No //= 2
-    a_k = a.shape[-1]
-    if a_k != Ko:
-        raise ValueError(f"reduction size of a ({a_k}) must equal b_ENK.size(2) ({Ko})")
-    group_n, group_k = group_shape
-    if c_group:
-        if fuse_activation is None or c.dtype != torch.float8_e4m3fn or c_scale is None:
-            raise ValueError(f"c_group ({c_group}) needs fuse_activation, an fp8 e4m3 c (got {c.dtype}) and c_scale")
-        if c_group & (c_group - 1) or tile.BLOCK_N % c_group:
-            raise ValueError(f"c_group ({c_group}) must be a power of two dividing tile.BLOCK_N ({tile.BLOCK_N})")
-        want = (c.shape[0], cdiv(No, c_group))
-        if tuple(c_scale.shape) != want or c_scale.dtype != torch.float32:
-            raise ValueError(f"c_scale ({tuple(c_scale.shape)}, {c_scale.dtype}) must be {want} float32")
-    if a_scale_mode is AScale.GROUP:
-        if b_scale_mode is not BScale.BLOCK or group_k % tile.BLOCK_K:
-            raise ValueError(
-                f"group scales need block weight scales and BLOCK_K ({tile.BLOCK_K}) dividing group_k ({group_k})")
-    if a_sorted or c_sorted:
-        if batched:
-            raise ValueError("a_sorted / c_sorted are for the standard format (batched rows are already per expert)")
-        S = sorted_ids_S.numel()
-        for flag, on, t in (("a_sorted", a_sorted, a), ("c_sorted", c_sorted, c)):
-            if on and t.shape[0] < S:
-                raise ValueError(f"{flag} needs {flag[0]} with sorted_ids_S.numel() ({S}) rows, got {t.shape[0]}")
-    if tile.BLOCK_M & (tile.BLOCK_M - 1) or tile.BLOCK_N & (tile.BLOCK_N - 1) or tile.BLOCK_K & (tile.BLOCK_K - 1):
-        raise ValueError(f"tile {tile} must have power-of-two blocks")
-    if tile.persistent not in PERSISTENT_MODES:
-        raise ValueError(f"tile.persistent ({tile.persistent!r}) must be one of {PERSISTENT_MODES}")
-    if tile.ws not in WS_MODES:
-        raise ValueError(f"tile.ws ({tile.ws!r}) must be one of {WS_MODES}")
-    if tile.ws and (tile.BLOCK_M < WS_MIN_BLOCK_M or tile.num_warps not in WS_WARPS):
-        raise ValueError(f"tile.ws needs BLOCK_M >= {WS_MIN_BLOCK_M} (a warpgroup's MMA rows) and num_warps in "
-                         f"{WS_WARPS}, got BLOCK_M {tile.BLOCK_M}, num_warps {tile.num_warps}")
+    No = _check(a, b_ENK, c, tile, launch, rows, scales, epilogue)
+    El, _, Ko = b_ENK.shape
+    batched = isinstance(rows, BatchedRows)
+    sorted_rows = isinstance(rows, SortedRows)
+    per_route = isinstance(rows, RouteRows)
     if batched:
         slots = a.shape[1]
         num_pid_m = cdiv(slots, tile.BLOCK_M)
@@ -531,79 +473,63 @@ def moe_gemm(
         sc_e, sc_m, sc_n = c.stride()
     else:
         slots = 0
-        num_pid_m = topk_ids_Tk.numel() if per_route else block_expert_Mb.numel()
+        num_pid_m = rows.topk_ids_Tk.numel() if per_route else rows.block_expert_Mb.numel()
         grid = (num_pid_m * cdiv(No, tile.BLOCK_N),)
         sa_e, (sa_m, sa_k) = 0, a.stride()
         sc_e, (sc_m, sc_n) = 0, c.stride()
     if grid[0] == 0:
         return c
-    scaled = a_scale_mode is not AScale.NONE or b_scale_mode is not BScale.NONE
-    if ws_applies(tile, a, b_ENK, c, standard=sorted_ids_S is not None, a_sorted=a_sorted, scaled=scaled,
-                  c_group=c_group):
+    act = epilogue.activation
+    if ws_applies(tile, launch, a, b_ENK, c, rows, scales, epilogue):
         from moe_modular.kernels.moe_gemm_ws import moe_gemm_ws
 
-        return moe_gemm_ws(a, b_ENK, c, tile, sorted_ids_S=sorted_ids_S, block_expert_Mb=block_expert_Mb,
-                           num_post_padded=num_post_padded, num_routes=num_routes, tiles=grid[0],
-                           sms=resident_programs(a.device), a_sorted=a_sorted, a_row_div=a_row_div,
-                           topk_weights_Tk=topk_weights_Tk,
-                           activation_code=None if fuse_activation is None else ACT_CODE[fuse_activation],
-                           c_sorted=c_sorted)
-    fp8_scales = fp8_ws_scales(tile, a, b_ENK, c, standard=sorted_ids_S is not None, a_scale=a_scale,
-                               a_scale_mode=a_scale_mode, b_scale=b_scale, b_scale_mode=b_scale_mode,
-                               group_shape=group_shape, fused=fuse_activation is not None, c_group=c_group)
+        return moe_gemm_ws(a, b_ENK, c, tile, rows, epilogue, tiles=grid[0], sms=resident_programs(a.device))
+    fp8_scales = fp8_ws_scales(tile, launch, a, b_ENK, c, rows, scales, epilogue)
     if fp8_scales is not None:
         from moe_modular.kernels.moe_gemm_ws_fp8 import Fp8Scales, moe_gemm_ws_fp8
 
-        return moe_gemm_ws_fp8(a, b_ENK, c, scales=Fp8Scales[fp8_scales], a_scale=a_scale, b_scale=b_scale,
-                               sorted_ids_S=sorted_ids_S, block_expert_Mb=block_expert_Mb,
-                               num_post_padded=num_post_padded, num_routes=num_routes, tiles=grid[0],
-                               sms=resident_programs(a.device), group_m=tile.GROUP_M, a_sorted=a_sorted,
-                               a_row_div=a_row_div, topk_weights_Tk=topk_weights_Tk,
-                               activation_code=None if fuse_activation is None else ACT_CODE[fuse_activation],
-                               c_scale=c_scale, c_sorted=c_sorted)
-    persistent = tile.persistent if sorted_ids_S is not None else 0
+        return moe_gemm_ws_fp8(a, b_ENK, c, Fp8Scales[fp8_scales], scales, rows, epilogue, tiles=grid[0],
+                               sms=resident_programs(a.device), group_m=tile.GROUP_M)
+    persistent = launch.persistent if sorted_rows else 0
     if persistent:  # no more programs than tiles, nor than the device runs at once
         grid = (min(grid[0], resident_programs(a.device)),)
     dummy = b_ENK
-    bs = _strides(b_scale, 3)
-    if b_scale_mode is BScale.TENSOR:
-        bs = (b_scale.stride(0), 0, 0)
-    elif b_scale_mode is BScale.CHANNEL:
-        bs = (b_scale.stride(0), b_scale.stride(1), 0)
-    topk = topk_weights_Tk.shape[1] if topk_weights_Tk is not None else 1
-    sw = topk_weights_Tk.stride() if topk_weights_Tk is not None else (0, 0)
+    a_scale, b_scale, (group_n, group_k) = scales.a, scales.b, scales.group_shape
+    weights, c_scale, c_group = epilogue.topk_weights_Tk, epilogue.c_scale, epilogue.c_group
+    expert_map = rows.expert_map_E if per_route else None
     is_fp32 = a.dtype == torch.float32 and b_ENK.dtype == torch.float32
-    b_arg = _descriptor(b_ENK, [1, tile.BLOCK_N, tile.BLOCK_K]) if tile.b_tma else None
+    b_arg = _descriptor(b_ENK, [1, tile.BLOCK_N, tile.BLOCK_K]) if launch.b_tma else None
     a_arg = None
-    if tile.a_tma and (batched or a_sorted):
+    if launch.a_tma and (batched or rows.a_sorted):
         a_arg = _descriptor(a, [1, tile.BLOCK_M, tile.BLOCK_K] if batched else [tile.BLOCK_M, tile.BLOCK_K])
-    dependent = pdl_launch(bool(tile.pdl), a.device)
-    launch(
+    dependent = pdl_launch(bool(launch.pdl), a.device)
+    launch_kernel(
         _moe_gemm_kernel, grid, a_arg if a_arg is not None else a, b_arg if b_arg is not None else b_ENK, c,
         a_scale if a_scale is not None else dummy,
         b_scale if b_scale is not None else dummy,
-        topk_weights_Tk if topk_weights_Tk is not None else dummy,
-        sorted_ids_S if sorted_ids_S is not None else dummy,
-        topk_ids_Tk if per_route else (block_expert_Mb if block_expert_Mb is not None else dummy),
-        num_post_padded if num_post_padded is not None else dummy,
-        expert_num_tokens_El if expert_num_tokens_El is not None else dummy,
-        expert_map_E if expert_map_E is not None else dummy,
-        num_routes, slots, No, Ko, topk, El, expert_map_E.numel() if expert_map_E is not None else 0,
+        weights if weights is not None else dummy,
+        rows.sorted_ids_S if sorted_rows else dummy,
+        rows.topk_ids_Tk if per_route else (rows.block_expert_Mb if sorted_rows else dummy),
+        rows.num_post_padded if sorted_rows else dummy,
+        rows.expert_num_tokens_El if batched else dummy,
+        expert_map if expert_map is not None else dummy,
+        0 if batched else rows.num_routes, slots, No, Ko, weights.shape[1] if weights is not None else 1, El,
+        expert_map.numel() if expert_map is not None else 0,
         sa_e, sa_m, sa_k,
         *b_ENK.stride(),
         sc_e, sc_m, sc_n,
-        *_a_scale_strides(a_scale, a_scale_mode, batched),
-        *bs,
-        *sw,
+        *_a_scale_strides(a_scale, scales.a_mode, batched),
+        *_b_scale_strides(b_scale, scales.b_mode),
+        *(weights.stride() if weights is not None else (0, 0)),
         c_scale if c_scale is not None else dummy, *(c_scale.stride() if c_scale is not None else (0, 0)),
         num_pid_m,
-        A_ROW_DIV=a_row_div, BATCHED=batched,
-        A_SCALE=a_scale_mode.value, B_SCALE=b_scale_mode.value, GROUP_N=group_n, GROUP_K=group_k,
-        MUL_WEIGHT=topk_weights_Tk is not None, EVEN_K=Ko % tile.BLOCK_K == 0,
+        A_ROW_DIV=1 if batched else rows.a_row_div, BATCHED=batched,
+        A_SCALE=scales.a_mode.value, B_SCALE=scales.b_mode.value, GROUP_N=group_n, GROUP_K=group_k,
+        MUL_WEIGHT=weights is not None, EVEN_K=Ko % tile.BLOCK_K == 0,
         DOT_PRECISION="ieee" if is_fp32 else "tf32",
-        FUSE_ACT=fuse_activation is not None, ACTIVATION=ACT_CODE[fuse_activation or Activation.SILU],
-        B_TMA=b_arg is not None, A_SORTED=a_sorted, C_SORTED=c_sorted, A_TMA=a_arg is not None,
-        PER_ROUTE=per_route, HAS_MAP=expert_map_E is not None, OUT_GROUP=c_group,
+        FUSE_ACT=act is not None, ACTIVATION=ACT_CODE[act or Activation.SILU],
+        B_TMA=b_arg is not None, A_SORTED=sorted_rows and rows.a_sorted, C_SORTED=sorted_rows and rows.c_sorted,
+        A_TMA=a_arg is not None, PER_ROUTE=per_route, HAS_MAP=expert_map is not None, OUT_GROUP=c_group,
         BLOCK_M=tile.BLOCK_M, BLOCK_N=tile.BLOCK_N, BLOCK_K=tile.BLOCK_K, GROUP_M=tile.GROUP_M,
         PERSISTENT=persistent, GDC=gpu_has_tma(a.device), PDL=bool(dependent),
         num_warps=tile.num_warps, num_stages=tile.num_stages, **dependent,

@@ -22,8 +22,6 @@ Every step of this schedule was measured side by side against the one before it 
 """
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
@@ -35,7 +33,9 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
+from moe_modular.kernels.act_and_mul import ACT_CODE
 from moe_modular.kernels.common import ACT_SILU
+from moe_modular.kernels.gemm_config import GemmEpilogue, GemmTile, SortedRows
 from moe_modular.kernels.ws_common import ws_store_rows, ws_tile_loader, ws_tile_order
 
 
@@ -223,17 +223,18 @@ def a_smem_layout(tile, dtype: torch.dtype):
     return gl.NVMMASharedLayout.get_default_for([tile.BLOCK_M, tile.BLOCK_K], _GL_DTYPES[dtype])
 
 
-def moe_gemm_ws(a: torch.Tensor, b_ENK: torch.Tensor, c: torch.Tensor, tile, *, sorted_ids_S: torch.Tensor,
-                block_expert_Mb: torch.Tensor, num_post_padded: torch.Tensor, num_routes: int, tiles: int, sms: int,
-                a_sorted: bool = True, a_row_div: int = 1, topk_weights_Tk: Optional[torch.Tensor] = None,
-                activation_code: Optional[int] = None, c_sorted: bool = False) -> torch.Tensor:
-    """Launch the warp-specialized GEMM (moe_gemm checks the case and routes here); returns c.
+def moe_gemm_ws(a: torch.Tensor, b_ENK: torch.Tensor, c: torch.Tensor, tile: GemmTile, rows: SortedRows,
+                epilogue: GemmEpilogue, *, tiles: int, sms: int) -> torch.Tensor:
+    """Launch the warp-specialized GEMM (moe_gemm checks the case with ws_applies and routes here); returns c.
 
-    a (S, Ko) in sorted order (a_sorted, through TMA), or rows the loader gathers itself: entry s of
-    sorted_ids_S reads row s // a_row_div; b_ENK (El, No, Ko) contiguous (with activation_code, the gate
-    then the up rows: c gets No / 2 columns and tile.BLOCK_N counts c's columns); c (R, No') route rows or,
-    c_sorted, (S, No') sorted rows; topk_weights_Tk (T, k) multiplies route rows. tiles: the most tiles
-    there can be (blocks of block_expert_Mb times column blocks); min(tiles, sms) programs."""
+    a (S, Ko) in sorted order (rows.a_sorted, through TMA), or rows the loader gathers itself: entry s of
+    rows.sorted_ids_S reads row s // rows.a_row_div; b_ENK (El, No, Ko) contiguous (with epilogue.activation,
+    the gate then the up rows: c gets No / 2 columns and tile.BLOCK_N counts c's columns); c (R, No') route
+    rows or, rows.c_sorted, (S, No') sorted rows; epilogue.topk_weights_Tk (T, k) multiplies route rows.
+    tiles: the most tiles there can be (blocks of block_expert_Mb times column blocks); min(tiles, sms)
+    programs."""
+    activation_code = None if epilogue.activation is None else ACT_CODE[epilogue.activation]
+    topk_weights_Tk, a_sorted = epilogue.topk_weights_Tk, rows.a_sorted
     fused = activation_code is not None
     _, No, Ko = b_ENK.shape
     N = No // 2 if fused else No
@@ -242,11 +243,11 @@ def moe_gemm_ws(a: torch.Tensor, b_ENK: torch.Tensor, c: torch.Tensor, tile, *, 
     sw = topk_weights_Tk.stride() if topk_weights_Tk is not None else (0, 0)
     topk = topk_weights_Tk.shape[1] if topk_weights_Tk is not None else 1
     _moe_gemm_ws_kernel[(min(tiles, sms),)](
-        a_desc if a_sorted else b_desc, a, a.stride(0), b_desc, c, tw, sorted_ids_S, block_expert_Mb,
-        num_post_padded, num_routes, N, Ko, topk, No, c.stride(0), *sw,
+        a_desc if a_sorted else b_desc, a, a.stride(0), b_desc, c, tw, rows.sorted_ids_S, rows.block_expert_Mb,
+        rows.num_post_padded, rows.num_routes, N, Ko, topk, No, c.stride(0), *sw,
         FUSE_ACT=fused, ACTIVATION=activation_code or 0, MUL_WEIGHT=topk_weights_Tk is not None,
-        C_SORTED=c_sorted, A_GATHER=not a_sorted, A_ROW_DIV=a_row_div, BLOCK_M=tile.BLOCK_M, BLOCK_N=tile.BLOCK_N,
-        BLOCK_K=tile.BLOCK_K, GROUP_M=tile.GROUP_M, STAGES=ws_stages(tile, fused, a.element_size()),
+        C_SORTED=rows.c_sorted, A_GATHER=not a_sorted, A_ROW_DIV=rows.a_row_div, BLOCK_M=tile.BLOCK_M,
+        BLOCK_N=tile.BLOCK_N, BLOCK_K=tile.BLOCK_K, GROUP_M=tile.GROUP_M, STAGES=ws_stages(tile, fused, a.element_size()),
         NUM_WARPS=tile.num_warps, A_LAYOUT=a_smem_layout(tile, a.dtype),
         C_LAYOUT=gl.NVMMASharedLayout.get_default_for([tile.BLOCK_M, tile.BLOCK_N], _GL_DTYPES[c.dtype]),
         num_warps=tile.num_warps,

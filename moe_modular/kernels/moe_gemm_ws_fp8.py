@@ -23,7 +23,6 @@ The consumers' scale loads for step k + 1 are issued before step k's wgmma is wa
 from __future__ import annotations
 
 import enum
-from typing import Optional
 
 import torch
 from triton.experimental import gluon
@@ -36,7 +35,9 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
+from moe_modular.kernels.act_and_mul import ACT_CODE
 from moe_modular.kernels.common import ACT_SILU, FP8_MAX_C, FP8_WS_TILE, MIN_AMAX_C
+from moe_modular.kernels.gemm_config import GemmEpilogue, GemmScales, SortedRows
 from moe_modular.kernels.ws_common import rows_layout, ws_store_rows, ws_tile_loader, ws_tile_order
 
 # The tile: 128 rows (two consumer warpgroups of 64), 128 output columns (one weight scale block, one
@@ -268,21 +269,21 @@ def fp8_ws_descriptors(a: torch.Tensor, b_ENK: torch.Tensor, a_sorted: bool):
     return TensorDescriptor(a, list(a.shape), list(a.stride()), [FP8_WS_BLOCK_M, FP8_WS_BLOCK_K], _a_layout()), b_desc
 
 
-def moe_gemm_ws_fp8(a: torch.Tensor, b_ENK: torch.Tensor, c: torch.Tensor, *, scales: Fp8Scales,
-                    a_scale: torch.Tensor, b_scale: torch.Tensor, sorted_ids_S: torch.Tensor,
-                    block_expert_Mb: torch.Tensor, num_post_padded: torch.Tensor, num_routes: int, tiles: int,
-                    sms: int, group_m: int = 8, a_sorted: bool = False, a_row_div: int = 1,
-                    topk_weights_Tk: Optional[torch.Tensor] = None, activation_code: Optional[int] = None,
-                    c_scale: Optional[torch.Tensor] = None, c_sorted: bool = False) -> torch.Tensor:
-    """Launch the fp8 warp-specialized GEMM (moe_gemm checks the case with fp8_ws_applies and routes here).
+def moe_gemm_ws_fp8(a: torch.Tensor, b_ENK: torch.Tensor, c: torch.Tensor, kind: Fp8Scales, scales: GemmScales,
+                    rows: SortedRows, epilogue: GemmEpilogue, *, tiles: int, sms: int, group_m: int = 8) -> torch.Tensor:
+    """Launch the fp8 warp-specialized GEMM (moe_gemm checks the case with fp8_ws_scales and routes here).
 
-    a (rows, Ko) fp8 e4m3: sorted rows (a_sorted, through TMA) or rows the loader gathers (entry s of
-    sorted_ids_S reads row s // a_row_div); a_scale float32 (rows, ceil(Ko / 128)) for BLOCK, (rows, 1) for ROW,
-    indexed like a's rows; b_ENK (El, No, Ko) fp8 e4m3 contiguous (with activation_code: the gate then the up
-    rows, c gets No / 2 columns); b_scale float32 (El, ceil(No / 128), ceil(Ko / 128)) for BLOCK, (El, No, 1)
-    for ROW. c (R, No') route rows or, c_sorted, (S, No') sorted rows: bf16 / fp16 / float32, or fp8 e4m3 with
-    c_scale (rows, ceil(No' / 128)) float32 (activation_code given: the output quantized in 1 x 128 groups).
-    topk_weights_Tk (T, k) multiplies route rows. tiles: the most tiles there can be; min(tiles, sms) programs."""
+    a (rows, Ko) fp8 e4m3: sorted rows (rows.a_sorted, through TMA) or rows the loader gathers (entry s of
+    rows.sorted_ids_S reads row s // rows.a_row_div); scales.a float32 (rows, ceil(Ko / 128)) for BLOCK, (rows, 1)
+    for ROW, indexed like a's rows; b_ENK (El, No, Ko) fp8 e4m3 contiguous (with epilogue.activation: the gate then
+    the up rows, c gets No / 2 columns); scales.b float32 (El, ceil(No / 128), ceil(Ko / 128)) for BLOCK,
+    (El, No, 1) for ROW. c (R, No') route rows or, rows.c_sorted, (S, No') sorted rows: bf16 / fp16 / float32, or
+    fp8 e4m3 with epilogue.c_scale (rows, ceil(No' / 128)) float32 (with an activation: the output quantized in
+    1 x 128 groups). epilogue.topk_weights_Tk (T, k) multiplies route rows. tiles: the most tiles there can be;
+    min(tiles, sms) programs."""
+    activation_code = None if epilogue.activation is None else ACT_CODE[epilogue.activation]
+    a_scale, b_scale, c_scale = scales.a, scales.b, epilogue.c_scale
+    topk_weights_Tk, a_sorted = epilogue.topk_weights_Tk, rows.a_sorted
     fused = activation_code is not None
     _, No, Ko = b_ENK.shape
     N = No // 2 if fused else No
@@ -293,11 +294,11 @@ def moe_gemm_ws_fp8(a: torch.Tensor, b_ENK: torch.Tensor, c: torch.Tensor, *, sc
     quantized = c_scale is not None
     _moe_gemm_ws_fp8_kernel[(min(tiles, sms),)](
         a_desc if a_sorted else b_desc, a, a.stride(0), b_desc, c, c_scale if quantized else c, a_scale, b_scale, tw,
-        sorted_ids_S, block_expert_Mb, num_post_padded, num_routes, N, Ko, topk, No, c.stride(0),
+        rows.sorted_ids_S, rows.block_expert_Mb, rows.num_post_padded, rows.num_routes, N, Ko, topk, No, c.stride(0),
         c_scale.stride(0) if quantized else 0, a_scale.stride(0), b_scale.stride(0), b_scale.stride(1), *sw,
-        SCALES=scales.value, FUSE_ACT=fused, ACTIVATION=activation_code or 0,
-        OUT_GROUP=FP8_WS_BLOCK_N if quantized else 0, MUL_WEIGHT=topk_weights_Tk is not None, C_SORTED=c_sorted,
-        A_GATHER=not a_sorted, A_ROW_DIV=a_row_div, BLOCK_M=FP8_WS_BLOCK_M, BLOCK_N=FP8_WS_BLOCK_N,
+        SCALES=kind.value, FUSE_ACT=fused, ACTIVATION=activation_code or 0,
+        OUT_GROUP=FP8_WS_BLOCK_N if quantized else 0, MUL_WEIGHT=topk_weights_Tk is not None, C_SORTED=rows.c_sorted,
+        A_GATHER=not a_sorted, A_ROW_DIV=rows.a_row_div, BLOCK_M=FP8_WS_BLOCK_M, BLOCK_N=FP8_WS_BLOCK_N,
         BLOCK_K=FP8_WS_BLOCK_K, GROUP_M=group_m, STAGES=fp8_ws_stages(fused, c.element_size()), A_LAYOUT=_a_layout(), num_warps=4,
     )
     return c

@@ -6,7 +6,7 @@
 
 For each shape, scheme and M: the tiles TritonExperts picks today ("base": the shipped table's entry,
 or the default heuristic) and each --variant (FIELD=VALUE overrides of base, space-separated; a bare
-GemmTile field applies to both GEMMs, gemm1.FIELD / gemm2.FIELD to one) are timed like a
+table-entry field applies to both GEMMs, gemm1.FIELD / gemm2.FIELD to one) are timed like a
 tools/tune_moe.py trial: the full forward through the NoEP PF, replayed from a CUDA graph with an L2
 flush before each repetition. Base and variants alternate for --rounds rounds and each keeps its best
 round, so a slow spell of the device hits all of them. Prints the times and base / variant (> 1: the
@@ -19,7 +19,6 @@ import argparse
 import math
 import os
 import sys
-from dataclasses import fields, replace
 
 import torch
 
@@ -35,19 +34,21 @@ from tools.bench_common import (
 )
 from tools.tune_moe import Trial, incumbent, trial_context
 
-GEMMS = ("gemm1", "gemm2")
 SMOKE_VARIANT = ["b_tma=1"]
 CSV_FIELDS = ("shape", "quant", "M", "variant", "us", "ratio", "error", "tiles")
 
 
 def tile_fields() -> list[str]:
-    from moe_modular.kernels.moe_gemm import GemmTile
+    """The fields a variant may set: a table entry's (tile, launch options, act_q)."""
+    from moe_modular.tile_config import TILE_FIELDS
 
-    return [f.name for f in fields(GemmTile)]
+    return list(TILE_FIELDS)
 
 
 def parse_override(token: str) -> tuple[tuple[str, ...], str, int]:
     """'FIELD=VALUE' or 'gemm1.FIELD=VALUE' -> (the GEMMs it applies to, field, value)."""
+    from moe_modular.tile_config import GEMMS
+
     allowed = tile_fields()
     name, sep, value = token.partition("=")
     gemms: tuple[str, ...] = GEMMS
@@ -72,13 +73,13 @@ def parse_override(token: str) -> tuple[tuple[str, ...], str, int]:
 
 def apply_overrides(base, overrides: list[tuple[tuple[str, ...], str, int]]):
     """base (a TileConfig) with the overrides applied; TileConfig validates the result."""
-    from moe_modular.tile_config import TileConfig
+    from moe_modular.tile_config import GEMMS, TileConfig
 
-    tiles = {g: getattr(base, g) for g in GEMMS}
+    flat = {g: base.gemm_fields(g) for g in GEMMS}
     for gemms, name, value in overrides:
         for g in gemms:
-            tiles[g] = replace(tiles[g], **{name: value})
-    return TileConfig(tiles["gemm1"], tiles["gemm2"])
+            flat[g][name] = value
+    return TileConfig.from_gemm_fields(flat["gemm1"], flat["gemm2"])
 
 
 def parse_args(argv=None):
@@ -104,7 +105,7 @@ def parse_args(argv=None):
     if args.smoke:
         args.rep_ms, args.rounds = 1.0, 1
     if args.smoke and not torch.cuda.is_available():
-        # before anything imports triton: the overrides are checked against GemmTile, in the kernel module
+        # before anything imports triton (the overrides are checked against the tile tables' fields)
         from moe_modular.testing.triton_interpreter import use_interpreter
 
         use_interpreter()
