@@ -199,7 +199,8 @@ def test_moe_gemm_per_route_blocks_match_oracle(T, kind):
         assert _rel(c[r: r + 1], ref) <= 2 * torch.finfo(torch.bfloat16).eps, f"route {r}"
     assert held >= 1  # something was computed
     with pytest.raises(ValueError, match=r"RouteRows.topk_ids_Tk must be contiguous, got strides"):
-        RouteRows(torch.cat([ids, ids], dim=1).to(DEVICE)[:, ::2], T * k, k)  # (T, k), column stride 2
+        moe_gemm(x.to(DEVICE), w.to(DEVICE), c.to(DEVICE), GemmTile(16, 32, 32),
+                 RouteRows(torch.cat([ids, ids], dim=1).to(DEVICE)[:, ::2], T * k, k))  # (T, k), column stride 2
     with pytest.raises(ValueError, match=r"rows \(dict\) must be one of \['SortedRows', 'RouteRows', 'BatchedRows'\]"):
         moe_gemm(x.to(DEVICE), w.to(DEVICE), c.to(DEVICE), GemmTile(16, 32, 32), dict(topk_ids_Tk=ids.to(DEVICE)))
 
@@ -695,12 +696,14 @@ def test_launch_options_errors_name_the_field(field, value, message):
 
 
 def test_gemm_scales_are_given_exactly_where_their_mode_says():
+    a, b = torch.zeros(2, 4, 32, device=DEVICE), torch.zeros(2, 16, 32, device=DEVICE)
+    c, rows = torch.zeros(2, 4, 16, device=DEVICE), BatchedRows(torch.ones(2, dtype=torch.int32, device=DEVICE))
     with pytest.raises(ValueError, match=r"GemmScales.a \(None\) must be given exactly where GemmScales.a_mode "
                                          r"\(ROW\) is not NONE"):
-        GemmScales(None, AScale.ROW)
+        moe_gemm(a, b, c, GemmTile(16, 16, 32), rows, scales=GemmScales(None, AScale.ROW))
     with pytest.raises(ValueError, match=r"GemmScales.b \(\(2, 1\)\) must be given exactly where GemmScales.b_mode "
                                          r"\(NONE\) is not NONE"):
-        GemmScales(b=torch.ones(2, 1))
+        moe_gemm(a, b, c, GemmTile(16, 16, 32), rows, scales=GemmScales(b=torch.ones(2, 1, device=DEVICE)))
     assert GemmScales(torch.ones(1), AScale.TENSOR, torch.ones(2), BScale.TENSOR).scaled and not GemmScales().scaled
 
 

@@ -1,4 +1,4 @@
-"""What one grouped expert GEMM (moe_gemm) is given besides its operands, as frozen values:
+"""What one grouped expert GEMM (moe_gemm) is given besides its operands, as immutable values:
 
 - the tile (GemmTile) and how it is launched (LaunchOptions);
 - the row layout: SortedRows (moe_align's blocks), RouteRows (a block per route, one token) or BatchedRows
@@ -8,12 +8,16 @@
 
 Shape legend (moe_gemm.py): R routes (T * k), T tokens, k topk, El local experts, S sorted-id capacity,
 Mb blocks of BLOCK_M rows, Ko reduction size, No output columns. Importable without Triton.
+
+The tile and launch options are frozen dataclasses (configuration, chosen once per problem size). The row layout,
+scales and epilogue hold the forward's tensors and are built on every forward, so they are NamedTuples (a third of
+a frozen dataclass's construction time on the host); moe_gemm validates them.
 """
 from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
-from typing import Optional, Union
+from typing import NamedTuple, Optional, Union
 
 import torch
 
@@ -97,8 +101,7 @@ class LaunchOptions:
 DEFAULT_LAUNCH = LaunchOptions()
 
 
-@dataclass(frozen=True, eq=False)
-class SortedRows:
+class SortedRows(NamedTuple):
     """Rows from moe_align (the standard format): block b of BLOCK_M entries of sorted_ids_S belongs to local
     expert block_expert_Mb[b]; entry s < num_routes reads A row s // a_row_div and writes C row s; s ==
     num_routes pads. a_row_div is k where A holds tokens (a first GEMM), 1 where it holds routes.
@@ -114,8 +117,7 @@ class SortedRows:
     c_sorted: bool = False
 
 
-@dataclass(frozen=True, eq=False)
-class RouteRows:
+class RouteRows(NamedTuple):
     """A block per route (route r alone, its first row), its expert topk_ids_Tk[r // k, r % k]: local ids, or global
     ids mapped by expert_map_E (not held: nothing written). No alignment; meant for a single token, whose k routes
     go to k distinct experts. Rows in route order; A row r // a_row_div."""
@@ -125,13 +127,8 @@ class RouteRows:
     a_row_div: int = 1
     expert_map_E: Optional[torch.Tensor] = None
 
-    def __post_init__(self) -> None:
-        if not self.topk_ids_Tk.is_contiguous():
-            raise ValueError(f"RouteRows.topk_ids_Tk must be contiguous, got strides {tuple(self.topk_ids_Tk.stride())}")
 
-
-@dataclass(frozen=True, eq=False)
-class BatchedRows:
+class BatchedRows(NamedTuple):
     """The batched format: A (El, Bt, Ko), C (El, Bt, No); expert e computes its first expert_num_tokens_El[e] rows."""
 
     expert_num_tokens_El: torch.Tensor
@@ -141,8 +138,7 @@ RowLayout = Union[SortedRows, RouteRows, BatchedRows]
 ROW_LAYOUTS = (SortedRows, RouteRows, BatchedRows)
 
 
-@dataclass(frozen=True, eq=False)
-class GemmScales:
+class GemmScales(NamedTuple):
     """Float32 scales, multiplied to dequantize (moe_gemm.py's docstring gives the layouts); group_shape =
     (group_n, group_k) for block weight scales. A tensor is given exactly where its mode is not NONE."""
 
@@ -152,12 +148,6 @@ class GemmScales:
     b_mode: BScale = BScale.NONE
     group_shape: tuple[int, int] = (1, 1)
 
-    def __post_init__(self) -> None:
-        for name, t, mode in (("a", self.a, self.a_mode), ("b", self.b, self.b_mode)):
-            if (t is None) != (mode.name == "NONE"):
-                raise ValueError(f"GemmScales.{name} ({'None' if t is None else tuple(t.shape)}) must be given exactly "
-                                 f"where GemmScales.{name}_mode ({mode.name}) is not NONE")
-
     @property
     def scaled(self) -> bool:
         return self.a_mode is not AScale.NONE or self.b_mode is not BScale.NONE
@@ -166,8 +156,7 @@ class GemmScales:
 NO_SCALES = GemmScales()
 
 
-@dataclass(frozen=True, eq=False)
-class GemmEpilogue:
+class GemmEpilogue(NamedTuple):
     """What the GEMM does to its float32 tile before it stores it.
 
     activation (SiLU or GELU; unquantized, or fp8 group activations with block weights): B holds the gate rows

@@ -395,6 +395,13 @@ def _check(a: torch.Tensor, b_ENK: torch.Tensor, c: torch.Tensor, tile: GemmTile
     """Validate one launch's values against each other; returns No (C's columns)."""
     if not isinstance(rows, ROW_LAYOUTS):
         raise ValueError(f"rows ({type(rows).__name__}) must be one of {[t.__name__ for t in ROW_LAYOUTS]}")
+    if isinstance(rows, RouteRows) and not rows.topk_ids_Tk.is_contiguous():
+        raise ValueError(f"RouteRows.topk_ids_Tk must be contiguous, got strides {tuple(rows.topk_ids_Tk.stride())}")
+    if (scales.a is None) != (scales.a_mode is AScale.NONE) or (scales.b is None) != (scales.b_mode is BScale.NONE):
+        name, t, mode = ("a", scales.a, scales.a_mode) if (scales.a is None) != (scales.a_mode is AScale.NONE) else (
+            "b", scales.b, scales.b_mode)
+        raise ValueError(f"GemmScales.{name} ({'None' if t is None else tuple(t.shape)}) must be given exactly "
+                         f"where GemmScales.{name}_mode ({mode.name}) is not NONE")
     El, No, Ko = b_ENK.shape
     if epilogue.activation is not None:
         if epilogue.activation not in GEMM_FUSABLE_ACTIVATIONS:
@@ -479,17 +486,18 @@ def moe_gemm(
         sc_e, (sc_m, sc_n) = 0, c.stride()
     if grid[0] == 0:
         return c
+    if launch.ws:
+        if ws_applies(tile, launch, a, b_ENK, c, rows, scales, epilogue):
+            from moe_modular.kernels.moe_gemm_ws import moe_gemm_ws
+
+            return moe_gemm_ws(a, b_ENK, c, tile, rows, epilogue, tiles=grid[0], sms=resident_programs(a.device))
+        fp8_scales = fp8_ws_scales(tile, launch, a, b_ENK, c, rows, scales, epilogue)
+        if fp8_scales is not None:
+            from moe_modular.kernels.moe_gemm_ws_fp8 import Fp8Scales, moe_gemm_ws_fp8
+
+            return moe_gemm_ws_fp8(a, b_ENK, c, Fp8Scales[fp8_scales], scales, rows, epilogue, tiles=grid[0],
+                                   sms=resident_programs(a.device), group_m=tile.GROUP_M)
     act = epilogue.activation
-    if ws_applies(tile, launch, a, b_ENK, c, rows, scales, epilogue):
-        from moe_modular.kernels.moe_gemm_ws import moe_gemm_ws
-
-        return moe_gemm_ws(a, b_ENK, c, tile, rows, epilogue, tiles=grid[0], sms=resident_programs(a.device))
-    fp8_scales = fp8_ws_scales(tile, launch, a, b_ENK, c, rows, scales, epilogue)
-    if fp8_scales is not None:
-        from moe_modular.kernels.moe_gemm_ws_fp8 import Fp8Scales, moe_gemm_ws_fp8
-
-        return moe_gemm_ws_fp8(a, b_ENK, c, Fp8Scales[fp8_scales], scales, rows, epilogue, tiles=grid[0],
-                               sms=resident_programs(a.device), group_m=tile.GROUP_M)
     persistent = launch.persistent if sorted_rows else 0
     if persistent:  # no more programs than tiles, nor than the device runs at once
         grid = (min(grid[0], resident_programs(a.device)),)
