@@ -34,7 +34,8 @@ from triton.runtime.jit import mangle_type
 from moe_modular.kernels import moe_gemm as G
 from moe_modular.kernels import moe_gemm_ws as W
 from moe_modular.kernels import moe_gemm_ws_fp8 as F
-from moe_modular.kernels.gemm_config import GemmTile
+from moe_modular.config import Activation
+from moe_modular.kernels.gemm_config import AScale, BScale, GemmEpilogue, GemmScales, GemmTile, SortedRows
 
 TARGET = GPUTarget("cuda", 90, 32)
 
@@ -42,53 +43,74 @@ TARGET = GPUTarget("cuda", 90, 32)
 ALIGNED = ("a_ptr", "c_ptr", "sorted_ids_ptr", "block_expert_ptr", "stride_am", "stride_cm", "K", "N")
 
 
+class _Recorder:
+    """Stands in for a Gluon kernel while its host wrapper runs: keeps the launch's {parameter: value} and options."""
+
+    def __init__(self, real) -> None:
+        self.names = list(real.arg_names)
+        self.launch = None
+
+    def __getitem__(self, grid):
+        def run(*args, **kw):
+            bound = dict(zip(self.names, args))
+            bound.update({k: v for k, v in kw.items() if k in self.names})
+            self.launch = bound, {k: v for k, v in kw.items() if k not in self.names}
+        return run
+
+
+def _compile_wrapped(module, name: str, wrapper):
+    """Run the host wrapper `wrapper()` of module.name with the kernel recorded, then compile the kernel for sm_90a
+    with exactly the arguments the wrapper passed (the pointer / stride arguments of ALIGNED 16-byte aligned, as
+    the launch's specialization would see them)."""
+    real = getattr(module, name)
+    recorder = _Recorder(real)
+    setattr(module, name, recorder)
+    try:
+        wrapper()
+    finally:
+        setattr(module, name, real)
+    bound, options = recorder.launch
+    constexpr = {p.name for p in real.params if p.is_constexpr}
+    consts = {k: v for k, v in bound.items() if k in constexpr}
+    signature = {k: "constexpr" if k in constexpr else mangle_type(v) for k, v in bound.items()}
+    names = list(real.arg_names)
+    src = GluonASTSource(real, signature, constexprs=consts,
+                         attrs={(names.index(n),): [["tt.divisibility", 16]] for n in ALIGNED if n in names})
+    return triton.compile(src, target=TARGET, options={"num_warps": options["num_warps"]})
+
+
 def compile_ws(fused: bool, gather: bool, tile: GemmTile):
-    """The kernel compiled for sm_90a as the Qwen3-sized first (fused) or second GEMM would launch it."""
+    """The kernel compiled for sm_90a as moe_gemm_ws launches it for a Qwen3-sized first (fused, sorted output) or
+    second GEMM (times the top-k weight)."""
     S, K, El, No = 1024, 2048, 8, 1536
     a = torch.empty(S, K, dtype=torch.bfloat16)
     c = torch.empty(S, No // 2 if fused else No, dtype=torch.bfloat16)
-    a_desc, b_desc = W.ws_descriptors(a, torch.empty(El, No, K, dtype=torch.bfloat16), tile, not gather)
     ids = torch.empty(4, dtype=torch.int32)
-    args = dict(a_desc=b_desc if gather else a_desc, a_ptr=a, stride_am=K, b_desc=b_desc, c_ptr=c,
-                topk_weights_ptr=torch.empty(4, 2), sorted_ids_ptr=ids, block_expert_ptr=ids, num_post_padded_ptr=ids,
-                num_routes=100, N=c.shape[1], K=K, topk=2, b_rows_per_expert=No, stride_cm=c.stride(0), stride_wt=2,
-                stride_wk=1)
-    consts = dict(FUSE_ACT=fused, ACTIVATION=0, MUL_WEIGHT=not fused, C_SORTED=fused, A_GATHER=gather,
-                  A_ROW_DIV=2 if fused else 1, BLOCK_M=tile.BLOCK_M, BLOCK_N=tile.BLOCK_N, BLOCK_K=tile.BLOCK_K,
-                  GROUP_M=tile.GROUP_M, STAGES=W.ws_stages(tile, fused, 2), NUM_WARPS=tile.num_warps,
-                  A_LAYOUT=W.a_smem_layout(tile, torch.bfloat16),
-                  C_LAYOUT=W.gl.NVMMASharedLayout.get_default_for([tile.BLOCK_M, tile.BLOCK_N], W.gl.bfloat16))
-    names = list(W._moe_gemm_ws_kernel.arg_names)
-    src = GluonASTSource(W._moe_gemm_ws_kernel, {**{k: mangle_type(v) for k, v in args.items()},
-                                                 **{k: "constexpr" for k in consts}}, constexprs=consts,
-                         attrs={(names.index(n),): [["tt.divisibility", 16]] for n in ALIGNED})
-    return triton.compile(src, target=TARGET, options={"num_warps": tile.num_warps})
+    rows = SortedRows(ids, ids, ids, 100, 2 if fused else 1, a_sorted=not gather, c_sorted=fused)
+    epilogue = GemmEpilogue(Activation.SILU) if fused else GemmEpilogue(topk_weights_Tk=torch.empty(4, 2))
+    return _compile_wrapped(W, "_moe_gemm_ws_kernel", lambda: W.moe_gemm_ws(
+        a, torch.empty(El, No, K, dtype=torch.bfloat16), c, tile, rows, epilogue, tiles=64, sms=132))
 
 
 def compile_ws_fp8(fused: bool, gather: bool, scales: int):
-    """The fp8 kernel compiled for sm_90a as a DeepSeek-V3-sized first (fused, fp8 output with group scales) or
-    second GEMM (bf16 output times the top-k weight) would launch it; scales: Fp8Scales value."""
+    """The fp8 kernel compiled for sm_90a as moe_gemm_ws_fp8 launches it for a DeepSeek-V3-sized first (fused, fp8
+    output with group scales) or second GEMM (bf16 output times the top-k weight); scales: Fp8Scales value."""
     S, K, El, No = 1024, 7168, 8, 4096
     fp8 = torch.float8_e4m3fn
     a = torch.empty(S, K, dtype=fp8)
     c = torch.empty(S, No // 2, dtype=fp8) if fused else torch.empty(S, No, dtype=torch.bfloat16)
-    a_desc, b_desc = F.fp8_ws_descriptors(a, torch.empty(El, No, K, dtype=fp8), not gather)
+    kind = F.Fp8Scales(scales)
+    if kind is F.Fp8Scales.BLOCK:
+        gemm_scales = GemmScales(torch.empty(S, K // 128), AScale.GROUP, torch.empty(El, No // 128, K // 128),
+                                 BScale.BLOCK, (128, 128))
+    else:
+        gemm_scales = GemmScales(torch.empty(S, 1), AScale.ROW, torch.empty(El, No, 1), BScale.CHANNEL)
     ids = torch.empty(4, dtype=torch.int32)
-    f32 = torch.empty(4, 4)
-    args = dict(a_desc=b_desc if gather else a_desc, a_ptr=a, stride_am=K, b_desc=b_desc, c_ptr=c, c_scale_ptr=f32,
-                a_scale_ptr=f32, b_scale_ptr=f32, topk_weights_ptr=f32, sorted_ids_ptr=ids, block_expert_ptr=ids,
-                num_post_padded_ptr=ids, num_routes=100, N=c.shape[1], K=K, topk=8, b_rows_per_expert=No,
-                stride_cm=c.stride(0), stride_csm=16, stride_asm=56, stride_bse=1792, stride_bsn=56, stride_wt=8,
-                stride_wk=1)
-    consts = dict(SCALES=scales, FUSE_ACT=fused, ACTIVATION=0, OUT_GROUP=128 if fused else 0, MUL_WEIGHT=not fused,
-                  C_SORTED=False, A_GATHER=gather, A_ROW_DIV=8 if fused else 1, BLOCK_M=F.FP8_WS_BLOCK_M,
-                  BLOCK_N=F.FP8_WS_BLOCK_N, BLOCK_K=F.FP8_WS_BLOCK_K, GROUP_M=8, STAGES=F.fp8_ws_stages(fused, c.element_size()),
-                  A_LAYOUT=F._a_layout())
-    names = list(F._moe_gemm_ws_fp8_kernel.arg_names)
-    src = GluonASTSource(F._moe_gemm_ws_fp8_kernel, {**{k: mangle_type(v) for k, v in args.items()},
-                                                     **{k: "constexpr" for k in consts}}, constexprs=consts,
-                         attrs={(names.index(n),): [["tt.divisibility", 16]] for n in ALIGNED})
-    return triton.compile(src, target=TARGET, options={"num_warps": 4})
+    rows = SortedRows(ids, ids, ids, 100, 8 if fused else 1, a_sorted=not gather)
+    epilogue = (GemmEpilogue(Activation.SILU, c_scale=torch.empty(S, No // 2 // 128), c_group=128) if fused
+                else GemmEpilogue(topk_weights_Tk=torch.empty(4, 8)))
+    return _compile_wrapped(F, "_moe_gemm_ws_fp8_kernel", lambda: F.moe_gemm_ws_fp8(
+        a, torch.empty(El, No, K, dtype=fp8), c, kind, gemm_scales, rows, epilogue, tiles=64, sms=132, group_m=8))
 
 
 def compile_pdl_gemm2(per_route: bool, persistent: int):
