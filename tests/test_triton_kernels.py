@@ -1078,27 +1078,28 @@ def test_warp_specialized_launches_take_the_rows_scales_and_epilogue_they_are_gi
     g = _gen(97)
     k, El, K, N = 2, 3, 256, 128
     T = 9
-    ids = torch.randint(0, El, (T, k), generator=g, dtype=torch.int32)
+    ids = torch.randint(0, El, (T, k), generator=g, dtype=torch.int32).to(DEVICE)
     tile = FP8_WS_TILE if fp8 else GemmTile(64, 64, 64, 4, 4, 3)
     sorted_ids, block_expert, npp = moe_align(ids, tile.BLOCK_M, El)
     S, R = sorted_ids.numel(), T * k
     dt = FP8_DTYPE if fp8 else torch.bfloat16
-    x = torch.zeros(T, K).to(dt)
-    w1 = torch.zeros(El, 2 * N, K).to(dt)
+    x = torch.zeros(T, K, device=DEVICE).to(dt)
+    w1 = torch.zeros(El, 2 * N, K, device=DEVICE).to(dt)
     if fp8:
-        scales = GemmScales(torch.ones(T, K // 128), AScale.GROUP, torch.ones(El, 2 * N // 128, K // 128),
-                            BScale.BLOCK, (128, 128))
-        inter = torch.zeros(S, N).to(dt)
-        epilogue = GemmEpilogue(Activation.GELU, c_scale=torch.ones(S, N // 128), c_group=128)
+        scales = GemmScales(torch.ones(T, K // 128, device=DEVICE), AScale.GROUP,
+                            torch.ones(El, 2 * N // 128, K // 128, device=DEVICE), BScale.BLOCK, (128, 128))
+        inter = torch.zeros(S, N, device=DEVICE).to(dt)
+        epilogue = GemmEpilogue(Activation.GELU, c_scale=torch.ones(S, N // 128, device=DEVICE), c_group=128)
     else:
-        scales, inter, epilogue = GemmScales(), torch.zeros(S, N, dtype=dt), GemmEpilogue(Activation.GELU)
+        scales, inter = GemmScales(), torch.zeros(S, N, dtype=dt, device=DEVICE)
+        epilogue = GemmEpilogue(Activation.GELU)
     rows = SortedRows(sorted_ids, block_expert, npp, R, k, a_sorted=False, c_sorted=True)
     moe_gemm(x, w1, inter, tile, rows, scales=scales, epilogue=epilogue, launch=LaunchOptions(ws=1))
-    y = torch.zeros(R, K, dtype=torch.bfloat16)
-    topk_w = torch.rand(T, k, generator=g)
-    scales2 = (GemmScales(epilogue.c_scale, AScale.GROUP, torch.ones(El, K // 128, N // 128), BScale.BLOCK, (128, 128))
-               if fp8 else GemmScales())
-    moe_gemm(inter, torch.zeros(El, K, N).to(dt), y, replace(tile, BLOCK_N=128) if not fp8 else tile,
+    y = torch.zeros(R, K, dtype=torch.bfloat16, device=DEVICE)
+    topk_w = torch.rand(T, k, generator=g).to(DEVICE)
+    scales2 = (GemmScales(epilogue.c_scale, AScale.GROUP, torch.ones(El, K // 128, N // 128, device=DEVICE),
+                          BScale.BLOCK, (128, 128)) if fp8 else GemmScales())
+    moe_gemm(inter, torch.zeros(El, K, N, device=DEVICE).to(dt), y, replace(tile, BLOCK_N=128) if not fp8 else tile,
              SortedRows(sorted_ids, block_expert, npp, R, 1, a_sorted=True), scales=scales2,
              epilogue=GemmEpilogue(topk_weights_Tk=topk_w), launch=LaunchOptions(ws=1))
     assert len(fake.calls) == 2, "a GEMM ran the Triton kernel"
