@@ -43,18 +43,26 @@ TARGET = GPUTarget("cuda", 90, 32)
 ALIGNED = ("a_ptr", "c_ptr", "sorted_ids_ptr", "block_expert_ptr", "stride_am", "stride_cm", "K", "N")
 
 
-class _Recorder:
-    """Stands in for a Gluon kernel while its host wrapper runs: keeps the launch's {parameter: value} and options."""
+class LaunchRecorder:
+    """Stands in for a Gluon kernel while its host wrapper runs: `kernel[grid](*args, **kw)` keeps the grid, the
+    launch's {parameter: value}, the names given twice or unknown, and the launch options."""
+
+    OPTIONS = ("num_warps", "num_stages", "launch_pdl")
 
     def __init__(self, real) -> None:
         self.names = list(real.arg_names)
-        self.launch = None
+        self.launches: list[dict] = []
 
     def __getitem__(self, grid):
         def run(*args, **kw):
             bound = dict(zip(self.names, args))
-            bound.update({k: v for k, v in kw.items() if k in self.names})
-            self.launch = bound, {k: v for k, v in kw.items() if k not in self.names}
+            unknown = sorted(set(kw) - set(self.names) - set(self.OPTIONS))
+            if len(args) > len(self.names):
+                unknown.append(f"{len(args) - len(self.names)} positional")
+            self.launches.append(dict(
+                grid=grid, bound={**bound, **{k: v for k, v in kw.items() if k in self.names}},
+                twice=sorted(set(bound) & set(kw)), unknown=unknown,
+                options={k: v for k, v in kw.items() if k in self.OPTIONS}))
         return run
 
 
@@ -63,13 +71,14 @@ def _compile_wrapped(module, name: str, wrapper):
     with exactly the arguments the wrapper passed (the pointer / stride arguments of ALIGNED 16-byte aligned, as
     the launch's specialization would see them)."""
     real = getattr(module, name)
-    recorder = _Recorder(real)
+    recorder = LaunchRecorder(real)
     setattr(module, name, recorder)
     try:
         wrapper()
     finally:
         setattr(module, name, real)
-    bound, options = recorder.launch
+    launch = recorder.launches[-1]
+    bound, options = launch["bound"], launch["options"]
     constexpr = {p.name for p in real.params if p.is_constexpr}
     consts = {k: v for k, v in bound.items() if k in constexpr}
     signature = {k: "constexpr" if k in constexpr else mangle_type(v) for k, v in bound.items()}

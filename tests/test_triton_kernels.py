@@ -1038,28 +1038,6 @@ def test_moe_gemm_ws_fp8_row_chain_matches_oracle(monkeypatch):
         assert _rel(y[r: r + 1], ref) <= 2 * torch.finfo(torch.bfloat16).eps, f"route {r} (expert {e}): output"
 
 
-class _BindingKernel:
-    """Stands in for a Gluon kernel: `kernel[grid](*args, **kw)` binds the launch to the real kernel's parameters
-    (every parameter given exactly once, no other name) and keeps {name: value} and the grid."""
-
-    OPTIONS = ("num_warps", "num_stages", "launch_pdl")
-
-    def __init__(self, real) -> None:
-        self.names = list(real.arg_names)
-        self.calls: list[tuple[tuple, dict]] = []
-
-    def __getitem__(self, grid):
-        def run(*args, **kw):
-            given = dict(zip(self.names, args))
-            extra = [k for k in kw if k not in self.names and k not in self.OPTIONS]
-            assert len(args) <= len(self.names) and not extra, f"unknown arguments {extra}"
-            assert not set(given) & set(kw), f"given twice: {sorted(set(given) & set(kw))}"
-            given.update({k: v for k, v in kw.items() if k in self.names})
-            assert sorted(given) == sorted(self.names), f"missing: {sorted(set(self.names) - set(given))}"
-            self.calls.append((grid, given))
-        return run
-
-
 @GLUON_CHECKED
 @pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8-block"])
 def test_warp_specialized_launches_take_the_rows_scales_and_epilogue_they_are_given(fp8, monkeypatch):
@@ -1069,11 +1047,12 @@ def test_warp_specialized_launches_take_the_rows_scales_and_epilogue_they_are_gi
     from moe_modular.kernels import moe_gemm as G
     from moe_modular.kernels import moe_gemm_ws, moe_gemm_ws_fp8
     from moe_modular.kernels.act_and_mul import ACT_CODE
+    from tests.sm90_compile_check import LaunchRecorder
 
     monkeypatch.setattr(G, "gpu_has_tma", lambda device: True)
     monkeypatch.setattr(G, "gluon_kernels_enabled", lambda version: True)
     module, name = (moe_gemm_ws_fp8, "_moe_gemm_ws_fp8_kernel") if fp8 else (moe_gemm_ws, "_moe_gemm_ws_kernel")
-    fake = _BindingKernel(getattr(module, name))
+    fake = LaunchRecorder(getattr(module, name))
     monkeypatch.setattr(module, name, fake)
     g = _gen(97)
     k, El, K, N = 2, 3, 256, 128
@@ -1102,8 +1081,11 @@ def test_warp_specialized_launches_take_the_rows_scales_and_epilogue_they_are_gi
     moe_gemm(inter, torch.zeros(El, K, N, device=DEVICE).to(dt), y, replace(tile, BLOCK_N=128) if not fp8 else tile,
              SortedRows(sorted_ids, block_expert, npp, R, 1, a_sorted=True), scales=scales2,
              epilogue=GemmEpilogue(topk_weights_Tk=topk_w), launch=LaunchOptions(ws=1))
-    assert len(fake.calls) == 2, "a GEMM ran the Triton kernel"
-    (_, first), (_, second) = fake.calls
+    assert len(fake.launches) == 2, "a GEMM ran the Triton kernel"
+    for launch in fake.launches:  # every kernel parameter given exactly once, nothing else
+        assert not launch["twice"] and not launch["unknown"], launch
+        assert sorted(launch["bound"]) == sorted(fake.names), sorted(set(fake.names) - set(launch["bound"]))
+    first, second = (launch["bound"] for launch in fake.launches)
     assert first["sorted_ids_ptr"] is sorted_ids and first["num_post_padded_ptr"] is npp
     assert (first["num_routes"], first["A_ROW_DIV"], first["A_GATHER"], first["C_SORTED"]) == (R, k, True, True)
     assert (first["FUSE_ACT"], first["ACTIVATION"], first["MUL_WEIGHT"]) == (True, ACT_CODE[Activation.GELU], False)
