@@ -68,8 +68,6 @@ class GemmTile:
 # LaunchOptions.persistent: 0 a program per tile, 1 a program per SM walking the tiles, 2 that with the loop nest
 # flattened (the next tile's loads overlap this tile's epilogue).
 PERSISTENT_MODES = (0, 1, 2)
-# LaunchOptions.ws: 0 the Triton kernel, 1 a warp-specialized Gluon kernel where it covers the launch.
-WS_MODES = (0, 1)
 
 
 @dataclass(frozen=True)
