@@ -487,3 +487,21 @@ def test_fp8_yardstick_declines_cells_it_cannot_measure():
 
     us, why = fp8_yardstick.yardstick_us(8, 8, 7168, 2048, True, _GpuTimer())
     assert us is None and "64 routed rows: below 1024" in why
+
+
+# ---- tools/experiments/host_python.py -------------------------------------------------------------------
+def test_host_python_times_a_stubbed_forward_per_m_in_its_own_process():
+    # The kernels' bodies are stubbed process-wide, so the tool runs in a process of its own; every M gets a row
+    # with a positive time, and bad arguments are refused by name.
+    import re
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    cmd = [sys.executable, "-m", "tools.experiments.host_python", "-m", "1", "3", "--reps", "3", "--rounds", "2"]
+    run = subprocess.run(cmd, cwd=root, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-2000:]
+    rows = re.findall(r"^\| tiny-e16 \| (\d+) \| ([0-9.]+) \|$", run.stdout, re.M)
+    assert [int(m) for m, _ in rows] == [1, 3] and all(float(us) > 0 for _, us in rows), run.stdout
+    bad = subprocess.run(cmd[:3] + ["--reps", "0"], cwd=root, capture_output=True, text=True, timeout=600)
+    assert bad.returncode == 2 and "--reps (0) must be >= 1" in bad.stderr
