@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import csv
 import dataclasses
+import json
 import math
 import os
 
@@ -90,6 +91,35 @@ def test_benchmark_smoke_on_cpu(tmp_path):
     except ImportError:
         return
     assert (tmp_path / "benchmark_moe.png").stat().st_size > 0
+
+
+def test_benchmark_resume_keeps_the_cells_done_and_measures_the_rest(tmp_path, capsys):
+    # A run cut short (here: one cell missing, one failed) goes on with --resume: the kept cells are not measured
+    # again, the missing and failed ones are, with the later call's index and its ceilings listed.
+    args = ["--smoke", "--out", str(tmp_path), "--experts", "grouped_mm", "--shapes", "tiny", "-m", "1", "8", "16"]
+    assert bm.main(args) == 0
+    path = tmp_path / "benchmark_moe.csv"
+    first = bc.read_csv(str(path))
+    assert [r["call"] for r in first] == [0, 0, 0]
+    kept, failed = first[0], dict(first[1], status="error: cut")
+    bc.write_csv(str(path), [kept, failed], bm.CSV_FIELDS)  # M=16 never ran, M=8 failed
+    capsys.readouterr()
+    assert bm.main(args + ["--resume"]) == 0
+    assert "resuming" in capsys.readouterr().err
+    rows = {r["M"]: r for r in bc.read_csv(str(path))}
+    assert sorted(rows) == [1, 8, 16]
+    assert rows[1] == kept  # not measured again
+    assert rows[8]["status"] == "ok" and rows[8]["call"] == 1 and rows[16]["call"] == 1
+    with open(tmp_path / "ceilings.json") as f:
+        ceil = json.load(f)
+    assert len(ceil["calls"]) == 2 and all(c["copy_Bps"] > 0 for c in ceil["calls"])
+    assert "call 1 (cpu" in (tmp_path / "benchmark_moe.md").read_text()
+    # every cell done: nothing is measured, the tables are written again
+    assert bm.main(args + ["--resume"]) == 0
+    assert {r["M"]: r for r in bc.read_csv(str(path))} == rows
+    with pytest.raises(SystemExit):
+        bm.parse_args(["--out", str(tmp_path / "none"), "--resume"])
+    assert "--resume needs a run to go on with" in capsys.readouterr().err
 
 
 def test_vllm_time_from_its_fraction():

@@ -279,7 +279,7 @@ def write_csv(path: str, rows: list[dict], fields: Sequence[str]) -> None:
             w.writerow({k: ("" if r.get(k) is None else r.get(k)) for k in fields})
 
 
-_INT_FIELDS = {"E", "K", "N", "topk", "M", "n_sets"}
+_INT_FIELDS = {"E", "K", "N", "topk", "M", "n_sets", "call"}
 
 
 _STR_FIELDS = {"quant", "shape", "experts", "status", "bound", "yardstick_scaling"}

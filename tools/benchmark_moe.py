@@ -4,6 +4,7 @@
     python -m tools.benchmark_moe --quant bf16 fp8-token fp8-block --out OUT
     python -m tools.benchmark_moe --shapes qwen3 -m 1 256 --experts grouped_mm
     python -m tools.benchmark_moe --smoke --out OUT                         # tiny shapes on the CPU
+    python -m tools.benchmark_moe --quant fp8-block bf16 --out OUT --resume # go on with a cut run in OUT
 
 For each quant scheme, shape and M: FusedMoEModularKernel(MoEPrepareAndFinalizeNoEP, experts) for each
 experts class (TritonExperts, GroupedMMExperts), timed eager and as a CUDA graph replay; the floor
@@ -22,7 +23,10 @@ forward per set (time divided by the sets). Phases: the modular kernel's record_
 (as its own CUDA graph on a GPU).
 
 Writes OUT/benchmark_moe.csv (one row per cell), OUT/ceilings.json and OUT/benchmark_moe.png
-(fraction of floor vs M per shape; needs matplotlib). Prints the table last.
+(fraction of floor vs M per shape; needs matplotlib). Prints the table last. --resume keeps the cells OUT's CSV
+already holds (those that did not fail) and measures the rest, so a run cut by a time limit goes on in a later
+process, on another machine of the same kind: the ceilings are measured again, each row keeps the floor of its
+own process ("call" column), and ceilings.json lists every call's ceilings and device.
 """
 from __future__ import annotations
 
@@ -90,7 +94,7 @@ VLLM_RUN_CEILINGS = {"copy_Bps": 4.24e12, "bf16_flops": 701e12}
 CSV_FIELDS = ["quant", "shape", "E", "K", "N", "topk", "M", "experts", "status", "n_sets", "distinct_experts",
               "floor_bytes", "floor_flops", "floor_us", "bound", "eager_us", "graph_us", "frac_eager", "frac_graph",
               "prepare_us", "experts_us", "finalize_us", "check_rel_err", "vllm_frac", "yardstick_us",
-              "yardstick_scaling"]
+              "yardstick_scaling", "call"]
 
 
 # ---- timing --------------------------------------------------------------------------------
@@ -269,6 +273,9 @@ def table_text(rows: list[dict], ceil: dict, Ms: list[int]) -> str:
     """Markdown tables of fraction of floor (and times), one per quant scheme."""
     lines = [f"ceilings: copy {ceil['copy_Bps'] / 1e12:.2f} TB/s, bf16 matmul {ceil['bf16_flops'] / 1e12:.0f} TFLOP/s, "
              f"fp8 matmul {ceil['fp8_flops'] / 1e12:.0f} TFLOP/s"]
+    for i, c in enumerate(ceil.get("calls", [])[1:], start=1):  # resumed runs: each later process's own ceilings
+        lines.append(f"call {i} ({c['device']}, {c['date']}): copy {c['copy_Bps'] / 1e12:.2f} TB/s, bf16 matmul "
+                     f"{c['bf16_flops'] / 1e12:.0f} TFLOP/s, fp8 matmul {c['fp8_flops'] / 1e12:.0f} TFLOP/s")
     for quant in dict.fromkeys(r["quant"] for r in rows):
         q_rows = [r for r in rows if r["quant"] == quant]
         lines += ["", f"### {quant}: fraction of floor (floor / measured; eager | CUDA graph)", "",
@@ -474,9 +481,13 @@ def parse_args(argv=None):
     p.add_argument("--check-tol", type=float, default=0.05, help="largest relative error of the spot check")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--smoke", action="store_true", help="tiny shapes and ceilings on the CPU (a code-path check)")
+    p.add_argument("--resume", action="store_true",
+                   help="keep the cells OUT's CSV holds (not failed) and measure only the others")
     args = p.parse_args(argv)
     args.out_given = args.out is not None
     args.out = args.out or "benchmark_out"
+    if args.resume and not os.path.exists(os.path.join(args.out, "benchmark_moe.csv")):
+        p.error(f"--resume needs a run to go on with: {os.path.join(args.out, 'benchmark_moe.csv')} does not exist")
     shapes = resolve_shapes_and_quants(p, args)
     for e in args.experts:
         if e not in EXPERTS:
@@ -485,6 +496,30 @@ def parse_args(argv=None):
     if args.smoke:
         args.rep_ms = min(args.rep_ms, 5.0)
     return args, shapes
+
+
+def cell_key(row: dict) -> tuple:
+    return row["shape"], row["quant"], int(row["M"]), row["experts"]
+
+
+def _failed(row: dict) -> bool:
+    status = str(row.get("status", ""))
+    return status.startswith("error") or "FAILED" in status
+
+
+def resumed(args, ceil: dict) -> tuple[list[dict], dict]:
+    """(rows kept, ceilings to write): with --resume, the earlier run's rows that did not fail and its ceilings
+    with this call's appended to "calls"; else no rows and this call's ceilings as the only call."""
+    call = {k: ceil[k] for k in ("device", "date", "copy_Bps", "bf16_flops", "fp8_flops", "torch", "triton",
+                                 "command")}
+    if not args.resume:
+        return [], {**ceil, "calls": [call]}
+    rows = [r for r in read_csv(os.path.join(args.out, "benchmark_moe.csv")) if not _failed(r)]
+    with open(os.path.join(args.out, "ceilings.json")) as f:
+        first = json.load(f)
+    calls = first.get("calls") or [{k: first[k] for k in call}]
+    log(f"resuming {args.out}: {len(rows)} cells kept from {len(calls)} earlier call(s)")
+    return rows, {**first, "calls": calls + [call]}
 
 
 def render(src: str, out_dir: str) -> int:
@@ -523,25 +558,32 @@ def main(argv=None) -> int:
                  "command": "python -m tools.benchmark_moe " + " ".join(sys.argv[1:] if argv is None else argv)})
     log(f"ceilings: copy {ceil['copy_Bps'] / 1e12:.3f} TB/s, bf16 {ceil['bf16_flops'] / 1e12:.1f} TFLOP/s, "
         f"fp8 {ceil['fp8_flops'] / 1e12:.1f} TFLOP/s {ceil['fp8_note']}")
+    rows, ceil = resumed(args, ceil)
     with open(os.path.join(args.out, "ceilings.json"), "w") as f:
         json.dump(ceil, f, indent=1)
+    done = {cell_key(r) for r in rows}
+    call = len(ceil["calls"]) - 1
     tile_table = None
     if args.tile_dir:
         from moe_modular.tile_config import TileConfigTable
 
         tile_table = TileConfigTable.load(args.tile_dir)
-    rows: list[dict] = []
     csv_path = os.path.join(args.out, "benchmark_moe.csv")
     for shape_key in args.shapes:
         shape = shapes[shape_key]
         for quant_key in args.quant:
             qc = QUANTS[quant_key]
+            if all((shape_key, quant_key, M, name) in done for M in args.ms for name in args.experts):
+                log(f"{shape_key} {quant_key}: every cell kept from the run in {args.out}")
+                continue
             t0 = time.perf_counter()
             weights = make_weights(shape, qc, device, args.seed)
             timer.sync()
             log(f"{shape_key} {quant_key}: weights {weights.w1.numel() * weights.w1.element_size() * 1.5 / 1e9:.2f} GB "
                 f"in {time.perf_counter() - t0:.1f}s")
             for M in args.ms:
+                if all((shape_key, quant_key, M, name) in done for name in args.experts):
+                    continue
                 sets = make_inputs(shape, M, n_sets_for(shape, qc, M, timer.l2_bytes), device, args.seed)
                 yard = {}
                 if qc.is_quantized and args.yardstick:
@@ -551,10 +593,12 @@ def main(argv=None) -> int:
                     yard = {"yardstick_us": us, "yardstick_scaling": how}
                     log(f"  {shape_key:12s} {quant_key:10s} M={M:<6d} yardstick {_fmt(us, '.1f')} us ({how})")
                 for name in args.experts:
+                    if (shape_key, quant_key, M, name) in done:
+                        continue
                     t0 = time.perf_counter()
                     row = run_cell(name, shape_key, shape, quant_key, qc, M, weights, sets, ceil, timer, args,
                                    tile_table)
-                    row.update(yard)
+                    row.update(yard, call=call)
                     rows.append(row)
                     log(f"  {shape_key:12s} {quant_key:10s} M={M:<6d} {name:11s} eager {_fmt(row.get('eager_us'), '.1f')} us "
                         f"graph {_fmt(row.get('graph_us'), '.1f')} us floor {_fmt(row.get('floor_us'), '.1f')} us "
@@ -567,9 +611,8 @@ def main(argv=None) -> int:
             if device.type == "cuda":
                 torch.cuda.empty_cache()
     write_csv(csv_path, rows, CSV_FIELDS)
-    print(report(args.out, rows, ceil, args.ms))
-    failed = [r for r in rows if str(r.get("status", "")).startswith("error") or "FAILED" in str(r.get("status"))]
-    return 1 if failed else 0
+    print(report(args.out, rows, ceil, sorted({r["M"] for r in rows} | set(args.ms))))
+    return 1 if any(_failed(r) for r in rows) else 0
 
 
 if __name__ == "__main__":
