@@ -326,13 +326,13 @@ def main(argv=None) -> int:
                     run(cfg, 1)
                 todo = []
                 if results and args.gemm2:
-                    g1 = _tuned(min(results, key=lambda r: r[0])[1], "gemm1")
-                    tried = tuple(_tuned(c, "gemm2") for _, c in results if _tuned(c, "gemm1") == g1)
+                    g1 = min(results, key=lambda r: r[0])[1].gemm_fields("gemm1")  # launch options included
+                    tried = tuple(_tuned(c, "gemm2") for _, c in results if c.gemm_fields("gemm1") == g1)
                     per_expert = M * shape.topk / shape.E
-                    todo = gemm2_candidates(g1, pool, tried,
+                    todo = gemm2_candidates(tuple(g1[f] for f in TUNED_FIELDS), pool, tried,
                                             lambda t: args.space == "smoke" or _fits(t, elt, per_expert, limit))
                     for t2 in todo:
-                        run(_config(g1, t2), 2)
+                        run(TileConfig.from_gemm_fields(g1, _fields(t2)), 2)
                 options = []
                 if results and args.options:
                     options = launch_options(min(results, key=lambda r: r[0])[1], hopper=args.hopper,
