@@ -397,9 +397,9 @@ def _check(a: torch.Tensor, b_ENK: torch.Tensor, c: torch.Tensor, tile: GemmTile
         raise ValueError(f"rows ({type(rows).__name__}) must be one of {[t.__name__ for t in ROW_LAYOUTS]}")
     if isinstance(rows, RouteRows) and not rows.topk_ids_Tk.is_contiguous():
         raise ValueError(f"RouteRows.topk_ids_Tk must be contiguous, got strides {tuple(rows.topk_ids_Tk.stride())}")
-    if (scales.a is None) != (scales.a_mode is AScale.NONE) or (scales.b is None) != (scales.b_mode is BScale.NONE):
-        name, t, mode = ("a", scales.a, scales.a_mode) if (scales.a is None) != (scales.a_mode is AScale.NONE) else (
-            "b", scales.b, scales.b_mode)
+    a_unpaired = (scales.a is None) != (scales.a_mode is AScale.NONE)
+    if a_unpaired or (scales.b is None) != (scales.b_mode is BScale.NONE):
+        name, t, mode = ("a", scales.a, scales.a_mode) if a_unpaired else ("b", scales.b, scales.b_mode)
         raise ValueError(f"GemmScales.{name} ({'None' if t is None else tuple(t.shape)}) must be given exactly "
                          f"where GemmScales.{name}_mode ({mode.name}) is not NONE")
     El, No, Ko = b_ENK.shape

@@ -33,10 +33,9 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from moe_modular.kernels.act_and_mul import ACT_CODE
 from moe_modular.kernels.common import ACT_SILU
 from moe_modular.kernels.gemm_config import GemmEpilogue, GemmTile, SortedRows
-from moe_modular.kernels.ws_common import ws_store_rows, ws_tile_loader, ws_tile_order
+from moe_modular.kernels.ws_common import ws_epilogue_args, ws_store_rows, ws_tile_loader, ws_tile_order
 
 
 # Shared memory a program may fill with its stage ring (Hopper: 227 KiB per block; the rest stays for the
@@ -233,19 +232,15 @@ def moe_gemm_ws(a: torch.Tensor, b_ENK: torch.Tensor, c: torch.Tensor, tile: Gem
     rows or, rows.c_sorted, (S, No') sorted rows; epilogue.topk_weights_Tk (T, k) multiplies route rows.
     tiles: the most tiles there can be (blocks of block_expert_Mb times column blocks); min(tiles, sms)
     programs."""
-    activation_code = None if epilogue.activation is None else ACT_CODE[epilogue.activation]
-    topk_weights_Tk, a_sorted = epilogue.topk_weights_Tk, rows.a_sorted
-    fused = activation_code is not None
+    fused, activation_code, tw, sw, topk = ws_epilogue_args(epilogue, c)
+    a_sorted = rows.a_sorted
     _, No, Ko = b_ENK.shape
     N = No // 2 if fused else No
     a_desc, b_desc = ws_descriptors(a, b_ENK, tile, a_sorted)
-    tw = topk_weights_Tk if topk_weights_Tk is not None else c
-    sw = topk_weights_Tk.stride() if topk_weights_Tk is not None else (0, 0)
-    topk = topk_weights_Tk.shape[1] if topk_weights_Tk is not None else 1
     _moe_gemm_ws_kernel[(min(tiles, sms),)](
         a_desc if a_sorted else b_desc, a, a.stride(0), b_desc, c, tw, rows.sorted_ids_S, rows.block_expert_Mb,
         rows.num_post_padded, rows.num_routes, N, Ko, topk, No, c.stride(0), *sw,
-        FUSE_ACT=fused, ACTIVATION=activation_code or 0, MUL_WEIGHT=topk_weights_Tk is not None,
+        FUSE_ACT=fused, ACTIVATION=activation_code, MUL_WEIGHT=epilogue.topk_weights_Tk is not None,
         C_SORTED=rows.c_sorted, A_GATHER=not a_sorted, A_ROW_DIV=rows.a_row_div, BLOCK_M=tile.BLOCK_M,
         BLOCK_N=tile.BLOCK_N, BLOCK_K=tile.BLOCK_K, GROUP_M=tile.GROUP_M, STAGES=ws_stages(tile, fused, a.element_size()),
         NUM_WARPS=tile.num_warps, A_LAYOUT=a_smem_layout(tile, a.dtype),

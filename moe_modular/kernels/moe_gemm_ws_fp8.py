@@ -35,10 +35,9 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from moe_modular.kernels.act_and_mul import ACT_CODE
 from moe_modular.kernels.common import ACT_SILU, FP8_MAX_C, FP8_WS_TILE, MIN_AMAX_C
 from moe_modular.kernels.gemm_config import GemmEpilogue, GemmScales, SortedRows
-from moe_modular.kernels.ws_common import rows_layout, ws_store_rows, ws_tile_loader, ws_tile_order
+from moe_modular.kernels.ws_common import rows_layout, ws_epilogue_args, ws_store_rows, ws_tile_loader, ws_tile_order
 
 # The tile: 128 rows (two consumer warpgroups of 64), 128 output columns (one weight scale block, one
 # activation group of the re-quantized output), K steps of 128 (one activation scale group).
@@ -281,23 +280,19 @@ def moe_gemm_ws_fp8(a: torch.Tensor, b_ENK: torch.Tensor, c: torch.Tensor, kind:
     fp8 e4m3 with epilogue.c_scale (rows, ceil(No' / 128)) float32 (with an activation: the output quantized in
     1 x 128 groups). epilogue.topk_weights_Tk (T, k) multiplies route rows. tiles: the most tiles there can be;
     min(tiles, sms) programs."""
-    activation_code = None if epilogue.activation is None else ACT_CODE[epilogue.activation]
+    fused, activation_code, tw, sw, topk = ws_epilogue_args(epilogue, c)
     a_scale, b_scale, c_scale = scales.a, scales.b, epilogue.c_scale
-    topk_weights_Tk, a_sorted = epilogue.topk_weights_Tk, rows.a_sorted
-    fused = activation_code is not None
+    a_sorted = rows.a_sorted
     _, No, Ko = b_ENK.shape
     N = No // 2 if fused else No
     a_desc, b_desc = fp8_ws_descriptors(a, b_ENK, a_sorted)
-    tw = topk_weights_Tk if topk_weights_Tk is not None else c
-    sw = topk_weights_Tk.stride() if topk_weights_Tk is not None else (0, 0)
-    topk = topk_weights_Tk.shape[1] if topk_weights_Tk is not None else 1
     quantized = c_scale is not None
     _moe_gemm_ws_fp8_kernel[(min(tiles, sms),)](
         a_desc if a_sorted else b_desc, a, a.stride(0), b_desc, c, c_scale if quantized else c, a_scale, b_scale, tw,
         rows.sorted_ids_S, rows.block_expert_Mb, rows.num_post_padded, rows.num_routes, N, Ko, topk, No, c.stride(0),
         c_scale.stride(0) if quantized else 0, a_scale.stride(0), b_scale.stride(0), b_scale.stride(1), *sw,
-        SCALES=kind.value, FUSE_ACT=fused, ACTIVATION=activation_code or 0,
-        OUT_GROUP=FP8_WS_BLOCK_N if quantized else 0, MUL_WEIGHT=topk_weights_Tk is not None, C_SORTED=rows.c_sorted,
+        SCALES=kind.value, FUSE_ACT=fused, ACTIVATION=activation_code,
+        OUT_GROUP=FP8_WS_BLOCK_N if quantized else 0, MUL_WEIGHT=epilogue.topk_weights_Tk is not None, C_SORTED=rows.c_sorted,
         A_GATHER=not a_sorted, A_ROW_DIV=rows.a_row_div, BLOCK_M=FP8_WS_BLOCK_M, BLOCK_N=FP8_WS_BLOCK_N,
         BLOCK_K=FP8_WS_BLOCK_K, GROUP_M=group_m, STAGES=fp8_ws_stages(fused, c.element_size()), A_LAYOUT=_a_layout(), num_warps=4,
     )
