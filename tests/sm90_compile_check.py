@@ -2,7 +2,7 @@
 
     TRITON_INTERPRET=0 python -m tests.sm90_compile_check ws FUSED GATHER BLOCK_M BLOCK_N BLOCK_K GROUP_M WARPS STAGES
     TRITON_INTERPRET=0 python -m tests.sm90_compile_check pdl PER_ROUTE PERSISTENT
-    TRITON_INTERPRET=0 python -m tests.sm90_compile_check wsfp8 FUSED GATHER SCALES
+    TRITON_INTERPRET=0 python -m tests.sm90_compile_check wsfp8 FUSED GATHER SCALES [WIDE]
 
 ws: moe_gemm_ws's Gluon kernel: {"wgmma": bool, "cp_async_arrive": bool, "shared": bytes, "local_bytes": int
 or null}. pdl: moe_gemm's Triton kernel as a second GEMM launched with LaunchOptions.pdl (per-route or standard blocks,
@@ -101,9 +101,10 @@ def compile_ws(fused: bool, gather: bool, tile: GemmTile):
         a, torch.empty(El, No, K, dtype=torch.bfloat16), c, tile, rows, epilogue, tiles=64, sms=132))
 
 
-def compile_ws_fp8(fused: bool, gather: bool, scales: int):
+def compile_ws_fp8(fused: bool, gather: bool, scales: int, wide: bool = False):
     """The fp8 kernel compiled for sm_90a as moe_gemm_ws_fp8 launches it for a DeepSeek-V3-sized first (fused, fp8
-    output with group scales) or second GEMM (bf16 output times the top-k weight); scales: Fp8Scales value."""
+    output with group scales) or second GEMM (bf16 output times the top-k weight; wide: 256-column tiles);
+    scales: Fp8Scales value."""
     S, K, El, No = 1024, 7168, 8, 4096
     fp8 = torch.float8_e4m3fn
     a = torch.empty(S, K, dtype=fp8)
@@ -119,7 +120,8 @@ def compile_ws_fp8(fused: bool, gather: bool, scales: int):
     epilogue = (GemmEpilogue(Activation.SILU, c_scale=torch.empty(S, No // 2 // 128), c_group=128) if fused
                 else GemmEpilogue(topk_weights_Tk=torch.empty(4, 8)))
     return _compile_wrapped(F, "_moe_gemm_ws_fp8_kernel", lambda: F.moe_gemm_ws_fp8(
-        a, torch.empty(El, No, K, dtype=fp8), c, kind, gemm_scales, rows, epilogue, tiles=64, sms=132, group_m=8))
+        a, torch.empty(El, No, K, dtype=fp8), c, kind, gemm_scales, rows, epilogue, tiles=64, sms=132, group_m=8,
+        wide=wide))
 
 
 def compile_pdl_gemm2(per_route: bool, persistent: int):
@@ -167,8 +169,8 @@ def local_bytes(cubin: bytes):
 def main(argv: list[str]) -> int:
     what, *numbers = argv
     if what == "wsfp8":
-        fused, gather, scales = (int(v) for v in numbers)
-        kernel = compile_ws_fp8(bool(fused), bool(gather), scales)
+        fused, gather, scales, *wide = (int(v) for v in numbers)
+        kernel = compile_ws_fp8(bool(fused), bool(gather), scales, bool(wide and wide[0]))
         ptx = kernel.asm["ptx"]
         print(json.dumps({"wgmma": ptx.count("wgmma.mma_async"), "cp_async_arrive": "cp.async.mbarrier.arrive" in ptx,
                           "shared": kernel.metadata.shared, "stack_bytes": resource(kernel.asm["cubin"], "STACK"),

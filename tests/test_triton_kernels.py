@@ -837,27 +837,34 @@ def test_interpreter_patch_rounds_like_the_gpu():
 
 # ---- the fp8 warp-specialized kernel (moe_gemm_ws_fp8) ---------------------------------------------------
 FP8_WS_TILE, FP8_WS_LAUNCH = GemmTile(128, 128, 128, 8, 8, 3), LaunchOptions(ws=1)
+# The wide tile of a GEMM without an activation: 256 output columns in two halves of 128
+FP8_WS_WIDE = replace(FP8_WS_TILE, BLOCK_N=256)
 
 
-@pytest.mark.parametrize("fused,gather,scales", [
-    (True, True, 0),  # the first GEMM: token rows gathered, gate | up, SiLU and the 1 x 128 quantization
-    (False, True, 0),  # the second GEMM on an intermediate in route order, block scales
-    (False, False, 0),  # the second GEMM on a sorted intermediate (TMA rows)
-    (False, True, 1),  # per-token x per-channel scales
-], ids=["gemm1-block", "gemm2-block-gathered", "gemm2-block-sorted", "gemm2-row"])
+@pytest.mark.parametrize("fused,gather,scales,wide,stack", [
+    (True, True, 0, False, 16),  # the first GEMM: token rows gathered, gate | up, SiLU and the 1 x 128 quantization
+    (False, True, 0, False, 16),  # the second GEMM on an intermediate in route order, block scales
+    (False, False, 0, False, 16),  # the second GEMM on a sorted intermediate (TMA rows)
+    (False, True, 1, False, 16),  # per-token x per-channel scales
+    (False, True, 0, True, 32),  # wide tiles (two 128-column halves), block scales
+    (False, False, 0, True, 96),
+    (False, True, 1, True, 16),  # wide tiles, per-token x per-channel scales
+], ids=["gemm1-block", "gemm2-block-gathered", "gemm2-block-sorted", "gemm2-row", "gemm2-block-wide-gathered",
+        "gemm2-block-wide-sorted", "gemm2-row-wide"])
 @GLUON_CHECKED
-def test_moe_gemm_ws_fp8_compiles_for_hopper(fused, gather, scales):
+def test_moe_gemm_ws_fp8_compiles_for_hopper(fused, gather, scales, wide, stack):
     # No interpreter runs Gluon: compile for sm_90a (no GPU needed) and check what it became: 4 wgmma per
-    # 64 x 128 x 128 step and consumer (twice fused), cp.async only when gathering, shared memory within
-    # Hopper's 227 KiB, at most four spilled words (the prologue's and one per tile, none in the K loop: the fused
-    # consumer holds three 64 x 128 float32 tiles in its 224 registers), every named barrier within one warpgroup
-    # (the two consumers meet only at mbarriers), and consumers raised to at least 224 registers.
-    got = _sm90_compile_check("wsfp8", int(fused), int(gather), scales)
-    assert got["wgmma"] == (16 if fused else 8), got
+    # 64 x 128 x 128 step, consumer and half (two halves fused or wide), cp.async only when gathering, shared
+    # memory within Hopper's 227 KiB, few spilled words (`stack` bytes: the prologue's and the epilogue's; the
+    # fused or wide consumer holds three 64 x 128 float32 tiles in its 224 or 232 registers), every named barrier
+    # within one warpgroup (the two consumers meet only at mbarriers), and consumers raised to at least 224
+    # registers.
+    got = _sm90_compile_check("wsfp8", int(fused), int(gather), scales, int(wide))
+    assert got["wgmma"] == (16 if fused or wide else 8), got
     assert got["cp_async_arrive"] == gather
     assert got["shared"] <= 227 * 1024
     if got["stack_bytes"] is not None:
-        assert got["stack_bytes"] <= 16, got
+        assert got["stack_bytes"] <= stack, got
     assert got["barrier_threads"] and max(got["barrier_threads"]) <= 128, got
     assert max(r for r in got["max_regs"] if r < 256) >= 224, got
 
@@ -892,7 +899,10 @@ def test_fp8_ws_scales_picks_the_kernel_only_where_it_applies(monkeypatch):
                           b_scale=torch.empty(2, 256, 1)) == "ROW"
     fused = dict(fused=True, c=torch.empty(40, 128, dtype=fp8), c_group=128)
     assert _fp8_ws_scales(G, **fused) == "BLOCK"
+    assert _fp8_ws_scales(G, tile=FP8_WS_WIDE) == "BLOCK"
     refused = {
+        "wide, fused": dict(fused, tile=FP8_WS_WIDE),
+        "BLOCK_N 512": dict(tile=replace(FP8_WS_TILE, BLOCK_N=512)),
         "ws 0": dict(ws=0),
         "batched": dict(standard=False),
         "BLOCK_N 64": dict(tile=replace(FP8_WS_TILE, BLOCK_N=64)),
@@ -939,13 +949,15 @@ def _fp8_chain_inputs(qc, K, N, seed):
 
 @pytest.mark.skipif(not gpu_has_tma(DEVICE), reason="the fp8 warp-specialized Gluon kernel needs a Hopper-class GPU "
                     "(Triton's interpreter does not run Gluon); elsewhere LaunchOptions.ws runs the Triton kernel")
+@pytest.mark.parametrize("tile2", [FP8_WS_TILE, FP8_WS_WIDE], ids=["gemm2-128", "gemm2-wide"])
 @pytest.mark.parametrize("sorted_mid", [False, True], ids=["route-order", "sorted"])
 @pytest.mark.parametrize("activation", [Activation.SILU, Activation.GELU], ids=lambda a: a.value)
-def test_moe_gemm_ws_fp8_block_chain_matches_oracle(activation, sorted_mid, monkeypatch):
+def test_moe_gemm_ws_fp8_block_chain_matches_oracle(activation, sorted_mid, tile2, monkeypatch):
     # fp8-block (1 x 128 / 128 x 128): the first GEMM gathers token rows and writes act(gate) * up quantized in
     # 1 x 128 groups (route order, or sorted for the second GEMM to load through TMA); the second writes routes
-    # times the top-k weights in bf16. K = 384 (3 K steps), N = 256 (2 column tiles). Both GEMMs run the fp8
-    # kernel (counted). Unheld routes: nothing written (NaN stays); intermediate padding rows too.
+    # times the top-k weights in bf16, in 128-column tiles or wide ones (256 columns; the last tile's second half
+    # past K = 384). K = 384 (3 K steps), N = 256 (2 column tiles). Both GEMMs run the fp8 kernel (counted).
+    # Unheld routes: nothing written (NaN stays); intermediate padding rows too.
     from moe_modular.kernels import moe_gemm_ws_fp8
 
     calls = []
@@ -966,7 +978,7 @@ def test_moe_gemm_ws_fp8_block_chain_matches_oracle(activation, sorted_mid, monk
              scales=GemmScales(xs.to(DEVICE), AScale.GROUP, w1s.to(DEVICE), BScale.BLOCK, (G, G)),
              epilogue=GemmEpilogue(activation, c_scale=inter_s, c_group=G), launch=FP8_WS_LAUNCH)
     y = torch.full((R, K), float("nan"), dtype=torch.bfloat16, device=DEVICE)
-    moe_gemm(inter, w2q.to(DEVICE), y, FP8_WS_TILE, SortedRows(*align, a_sorted=sorted_mid),
+    moe_gemm(inter, w2q.to(DEVICE), y, tile2, SortedRows(*align, a_sorted=sorted_mid),
              scales=GemmScales(inter_s, AScale.GROUP, w2s.to(DEVICE), BScale.BLOCK, (G, G)),
              epilogue=GemmEpilogue(topk_weights_Tk=topk_w.to(DEVICE)), launch=FP8_WS_LAUNCH)
     assert len(calls) == 2, "a GEMM ran the Triton kernel"
@@ -995,10 +1007,12 @@ def test_moe_gemm_ws_fp8_block_chain_matches_oracle(activation, sorted_mid, monk
 
 @pytest.mark.skipif(not gpu_has_tma(DEVICE), reason="the fp8 warp-specialized Gluon kernel needs a Hopper-class GPU "
                     "(Triton's interpreter does not run Gluon); elsewhere LaunchOptions.ws runs the Triton kernel")
-def test_moe_gemm_ws_fp8_row_chain_matches_oracle(monkeypatch):
+@pytest.mark.parametrize("tile", [FP8_WS_TILE, FP8_WS_WIDE], ids=["128", "wide"])
+def test_moe_gemm_ws_fp8_row_chain_matches_oracle(tile, monkeypatch):
     # fp8-token (per-row activation, per-channel weight scales): the first GEMM gathers token rows into a float32
     # h1 (R, 2N); the second reads the intermediate (quantized per row here, as act_and_mul does) and writes routes
-    # times the top-k weights in bf16. K = 256, N = 384. Both GEMMs run the fp8 kernel (counted).
+    # times the top-k weights in bf16. K = 256, N = 384; 128-column tiles or wide ones (256 columns: h1's 768 in
+    # three, y's 256 in one). Both GEMMs run the fp8 kernel (counted).
     from moe_modular.kernels import moe_gemm_ws_fp8
 
     calls = []
@@ -1012,7 +1026,7 @@ def test_moe_gemm_ws_fp8_row_chain_matches_oracle(monkeypatch):
     sorted_ids, block_expert, num_pp = moe_align(ids.to(DEVICE), FP8_WS_TILE.BLOCK_M, len(FP8_WS_COUNTS), None)
     align = (sorted_ids, block_expert, num_pp, R)
     h1 = torch.full((R, 2 * N), float("nan"), device=DEVICE)
-    moe_gemm(xq.to(DEVICE), w1q.to(DEVICE), h1, FP8_WS_TILE, SortedRows(*align, k),
+    moe_gemm(xq.to(DEVICE), w1q.to(DEVICE), h1, tile, SortedRows(*align, k),
              scales=GemmScales(xs.to(DEVICE), AScale.ROW, w1s.to(DEVICE), BScale.CHANNEL), launch=FP8_WS_LAUNCH)
     held = ids.view(-1) >= 0
     inter = torch.zeros(R, N).to(FP8_DTYPE)
@@ -1020,7 +1034,7 @@ def test_moe_gemm_ws_fp8_row_chain_matches_oracle(monkeypatch):
     h1c = h1.cpu()
     inter[held], inter_s[held] = quantize_activations(act_and_mul_torch(h1c[held], Activation.SILU), qc)
     y = torch.full((R, K), float("nan"), dtype=torch.bfloat16, device=DEVICE)
-    moe_gemm(inter.to(DEVICE), w2q.to(DEVICE), y, FP8_WS_TILE, SortedRows(*align),
+    moe_gemm(inter.to(DEVICE), w2q.to(DEVICE), y, tile, SortedRows(*align),
              scales=GemmScales(inter_s.to(DEVICE), AScale.ROW, w2s.to(DEVICE), BScale.CHANNEL),
              epilogue=GemmEpilogue(topk_weights_Tk=topk_w.to(DEVICE)), launch=FP8_WS_LAUNCH)
     assert len(calls) == 2, "a GEMM ran the Triton kernel"

@@ -343,7 +343,8 @@ def fp8_ws_scales(tile: GemmTile, launch: LaunchOptions, a: torch.Tensor, b_ENK:
                   rows: RowLayout, scales: GemmScales, epilogue: GemmEpilogue) -> Optional[str]:
     """The Fp8Scales name moe_gemm runs with in the fp8 warp-specialized kernel, or None where it does not:
     launch.ws on a Hopper-class GPU, sorted rows, fp8 e4m3 A and B with 1 x 128 / 128 x 128 block scales or
-    per-row / per-channel scales, the tile FP8_WS_TILE with FP8_WS_WARPS warps, Ko a multiple of 128 (whole K
+    per-row / per-channel scales, the tile FP8_WS_TILE with FP8_WS_WARPS warps (without an activation also twice
+    its BLOCK_N: a wide tile of two column halves), Ko a multiple of 128 (whole K
     steps), A and B TMA-addressable (sorted A loads by TMA, gathered A in 16-byte vectors), B contiguous, scales
     unit-strided along K; with an activation: block scales, N a multiple of 128 and the output quantized in
     1 x 128 groups; else a 16-bit or float32 output."""
@@ -355,7 +356,9 @@ def fp8_ws_scales(tile: GemmTile, launch: LaunchOptions, a: torch.Tensor, b_ENK:
     name = _FP8_WS_SCALES.get((scales.a_mode, scales.b_mode))
     if name is None or a.dtype != fp8 or b_ENK.dtype != fp8:
         return None
-    if (tile.BLOCK_M, tile.BLOCK_N, tile.BLOCK_K) != FP8_WS_TILE or tile.num_warps != FP8_WS_WARPS:
+    bm, bn, bk = FP8_WS_TILE
+    wide = epilogue.activation is None and tile.BLOCK_N == 2 * bn  # two halves of bn columns per tile
+    if (tile.BLOCK_M, tile.BLOCK_K) != (bm, bk) or (tile.BLOCK_N != bn and not wide) or tile.num_warps != FP8_WS_WARPS:
         return None
     El, No, Ko = b_ENK.shape
     if Ko % FP8_WS_TILE[2] or (name == "BLOCK" and tuple(scales.group_shape) != (FP8_WS_GROUP, FP8_WS_GROUP)):
@@ -496,7 +499,8 @@ def moe_gemm(
             from moe_modular.kernels.moe_gemm_ws_fp8 import Fp8Scales, moe_gemm_ws_fp8
 
             return moe_gemm_ws_fp8(a, b_ENK, c, Fp8Scales[fp8_scales], scales, rows, epilogue, tiles=grid[0],
-                                   sms=resident_programs(a.device), group_m=tile.GROUP_M)
+                                   sms=resident_programs(a.device), group_m=tile.GROUP_M,
+                                   wide=tile.BLOCK_N == 2 * FP8_WS_TILE[1])
     act = epilogue.activation
     persistent = launch.persistent if sorted_rows else 0
     if persistent:  # no more programs than tiles, nor than the device runs at once

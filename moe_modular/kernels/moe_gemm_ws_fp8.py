@@ -103,17 +103,21 @@ def _fp8_consumer(a_bufs, b_bufs, ready, empty, c_ptr, c_scale_ptr, a_scale_ptr,
                   ROW0: gl.constexpr, SCALES: gl.constexpr, FUSE_ACT: gl.constexpr, ACTIVATION: gl.constexpr,
                   OUT_GROUP: gl.constexpr, MUL_WEIGHT: gl.constexpr, C_SORTED: gl.constexpr, A_GATHER: gl.constexpr,
                   A_ROW_DIV: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
-                  GROUP_M: gl.constexpr, STAGES: gl.constexpr):
-    """One warpgroup: rows [ROW0, ROW0 + 64) of every tile, from the wgmma chain to the stored output."""
+                  GROUP_M: gl.constexpr, STAGES: gl.constexpr, WIDE: gl.constexpr):
+    """One warpgroup: rows [ROW0, ROW0 + 64) of every tile, from the wgmma chain to the stored output. A tile
+    is one half of BLOCK_N columns, or two: FUSE_ACT's gate and up halves, or WIDE's 2 * BLOCK_N columns
+    (`acc` and `acc_up` hold the two)."""
     acc_layout: gl.constexpr = _acc_layout(BLOCK_N)
     row_slice: gl.constexpr = gl.SliceLayout(1, acc_layout)
     cols_layout: gl.constexpr = gl.SliceLayout(0, acc_layout)
-    store_layout: gl.constexpr = rows_layout(BLOCK_N, c_ptr.dtype.element_ty, 4)
+    TWO: gl.constexpr = FUSE_ACT or WIDE
+    TILE_N: gl.constexpr = 2 * BLOCK_N if WIDE else BLOCK_N
     num_blocks = gl.load(num_post_padded_ptr) // BLOCK_M
-    num_pid_n = gl.cdiv(N, BLOCK_N)
+    num_pid_n = gl.cdiv(N, TILE_N)
     k_steps = gl.cdiv(K, BLOCK_K)
-    # the up half's weight scale blocks start N / BLOCK_N blocks down (FUSE_ACT needs N % BLOCK_N == 0)
-    up_blocks = N // BLOCK_N
+    # the second half's weight scale blocks: FUSE_ACT's up half starts N / BLOCK_N blocks down (N % BLOCK_N == 0);
+    # WIDE's is the next block, past N in the last column tile when N % (2 * BLOCK_N) <= BLOCK_N
+    up_blocks = N // BLOCK_N if FUSE_ACT else 1
     tmp = gl.zeros([WG_ROWS, BLOCK_N], gl.float32, acc_layout)  # a K step's product (its value is not read)
     i = 0
     for tile in range(gl.program_id(0), num_blocks * num_pid_n, gl.num_programs(0)):
@@ -127,12 +131,17 @@ def _fp8_consumer(a_bufs, b_bufs, ready, empty, c_ptr, c_scale_ptr, a_scale_ptr,
         else:
             a_row = offs_m.to(gl.int64)
         as_ptrs = a_scale_ptr + a_row * stride_asm
+        col0 = pid_n * TILE_N  # the tile's first output column
+        up_ok = col0 + (0 if FUSE_ACT else BLOCK_N) < N  # whether the second half has columns
         acc = gl.zeros([WG_ROWS, BLOCK_N], gl.float32, acc_layout)
+        if TWO:
+            acc_up = gl.zeros([WG_ROWS, BLOCK_N], gl.float32, acc_layout)
         if SCALES == _BLOCK:
-            bs_gate = b_scale_ptr + expert * stride_bse + pid_n * stride_bsn
+            bs_gate = b_scale_ptr + expert * stride_bse + (col0 // BLOCK_N) * stride_bsn
             bs_up = bs_gate + up_blocks * stride_bsn
-            if FUSE_ACT:
-                acc_up = gl.zeros([WG_ROWS, BLOCK_N], gl.float32, acc_layout)
+            if WIDE:
+                b_s_up = gl.load(bs_up, mask=up_ok, other=0.0)
+            elif FUSE_ACT:
                 b_s_up = gl.load(bs_up)
             a_s = gl.load(as_ptrs, mask=row_ok, other=0.0)
             b_s = gl.load(bs_gate)
@@ -150,10 +159,13 @@ def _fp8_consumer(a_bufs, b_bufs, ready, empty, c_ptr, c_scale_ptr, a_scale_ptr,
                 b_s_next = gl.load(bs_gate + (kk + 1), mask=more, other=0.0)
                 tmp = warpgroup_mma_wait(num_outstanding=0, deps=(tok, ))
                 acc += tmp * (a_s * b_s)[:, None]
-                if FUSE_ACT:
+                if TWO:
                     tok = warpgroup_mma(a, b_bufs.index(s).slice(BLOCK_N, BLOCK_N).permute((1, 0)), tmp,
                                         use_acc=False, is_async=True)
-                    b_s_up_next = gl.load(bs_up + (kk + 1), mask=more, other=0.0)
+                    if WIDE:
+                        b_s_up_next = gl.load(bs_up + (kk + 1), mask=more & up_ok, other=0.0)
+                    else:
+                        b_s_up_next = gl.load(bs_up + (kk + 1), mask=more, other=0.0)
                     tmp = warpgroup_mma_wait(num_outstanding=0, deps=(tok, ))
                     acc_up += tmp * (a_s * b_s_up)[:, None]
                     b_s_up = b_s_up_next
@@ -161,47 +173,79 @@ def _fp8_consumer(a_bufs, b_bufs, ready, empty, c_ptr, c_scale_ptr, a_scale_ptr,
                 a_s = a_s_next
                 b_s = b_s_next
                 i += 1
-        else:  # ROW: one chain over K with one step in flight, scaled at the end
+        else:  # ROW: one chain over K per half with one step in flight, scaled at the end
+            PER_STEP: gl.constexpr = 2 if TWO else 1  # wgmma groups a K step commits
             for kk in range(k_steps):
                 s = i % STAGES
                 mbarrier.wait(ready.index(s), (i // STAGES) & 1)
                 if A_GATHER:
                     fence_async_shared()
-                acc = warpgroup_mma(a_bufs.index(s).slice(ROW0, WG_ROWS), b_bufs.index(s).permute((1, 0)), acc,
-                                    is_async=True)
-                # this step's wgmma may still run; the previous step's is done, so its stage is free
-                acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc, ))
+                a = a_bufs.index(s).slice(ROW0, WG_ROWS)
+                acc = warpgroup_mma(a, b_bufs.index(s).slice(0, BLOCK_N).permute((1, 0)), acc, is_async=True)
+                if TWO:
+                    acc_up = warpgroup_mma(a, b_bufs.index(s).slice(BLOCK_N, BLOCK_N).permute((1, 0)), acc_up,
+                                           is_async=True)
+                    # this step's wgmmas may still run; the previous step's are done, so its stage is free
+                    acc, acc_up = warpgroup_mma_wait(num_outstanding=PER_STEP, deps=(acc, acc_up))
+                else:
+                    acc = warpgroup_mma_wait(num_outstanding=PER_STEP, deps=(acc, ))
                 mbarrier.arrive(empty.index((i + STAGES - 1) % STAGES), pred=kk > 0)
                 i += 1
-            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+            if TWO:
+                acc, acc_up = warpgroup_mma_wait(num_outstanding=0, deps=(acc, acc_up))
+            else:
+                acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
             mbarrier.arrive(empty.index((i + STAGES - 1) % STAGES))
-            offs_n = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=cols_layout)
-            b_s = gl.load(b_scale_ptr + expert * stride_bse + offs_n * stride_bsn, mask=offs_n < N, other=0.0)
             a_s = gl.load(as_ptrs, mask=row_ok, other=0.0)
+            offs_n = col0 + gl.arange(0, BLOCK_N, layout=cols_layout)
+            b_s = gl.load(b_scale_ptr + expert * stride_bse + offs_n * stride_bsn, mask=offs_n < N, other=0.0)
             acc = acc * a_s[:, None] * b_s[None, :]
+            if TWO:
+                offs_n += BLOCK_N
+                b_s = gl.load(b_scale_ptr + expert * stride_bse + offs_n * stride_bsn, mask=offs_n < N, other=0.0)
+                acc_up = acc_up * a_s[:, None] * b_s[None, :]
 
         if FUSE_ACT:  # act(gate) * up, as act_and_mul.gated_act
             if ACTIVATION == ACT_SILU:
                 acc = acc / (1.0 + gl.exp(-acc)) * acc_up
             else:
                 acc = 0.5 * acc * (1.0 + gl.erf(acc * 0.7071067811865476)) * acc_up
-        if C_SORTED:
-            out_row = offs_m.to(gl.int64)
-        else:
-            out_row = sid.to(gl.int64)
-        if OUT_GROUP > 0:  # one scale per row: the tile's BLOCK_N columns are one group
-            g_scale = _ws_scale_of(gl.max(_ws_finite_abs(acc), axis=1))
-            acc = _ws_to_fp8(acc, g_scale[:, None], c_ptr.dtype.element_ty)
-            gl.store(c_scale_ptr + out_row * stride_csm + pid_n, g_scale, mask=row_ok)
-        if MUL_WEIGHT:
-            w = gl.load(topk_weights_ptr + (sid // topk) * stride_wt + (sid % topk) * stride_wk, mask=row_ok,
-                        other=0.0)
-            acc = acc * w.to(gl.float32)[:, None]
-        # whole row segments: 16-byte vectors, a warp across a row
-        out = gl.convert_layout(acc.to(c_ptr.dtype.element_ty), store_layout)
-        st_m = pid_m * BLOCK_M + ROW0 + gl.arange(0, WG_ROWS, layout=gl.SliceLayout(1, store_layout))
-        st_n = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, store_layout))
-        ws_store_rows(c_ptr, out, st_m, st_n, sorted_ids_ptr, num_routes, N, stride_cm, C_SORTED)
+        tile_rows = pid_m * BLOCK_M + ROW0
+        _fp8_store(acc, col0, offs_m, tile_rows, sid, row_ok, c_ptr, c_scale_ptr, topk_weights_ptr, sorted_ids_ptr,
+                   num_routes, N, topk, stride_cm, stride_csm, stride_wt, stride_wk, OUT_GROUP, MUL_WEIGHT, C_SORTED,
+                   BLOCK_N)
+        if WIDE:
+            if up_ok:
+                _fp8_store(acc_up, col0 + BLOCK_N, offs_m, tile_rows, sid, row_ok, c_ptr, c_scale_ptr, topk_weights_ptr,
+                           sorted_ids_ptr, num_routes, N, topk, stride_cm, stride_csm, stride_wt, stride_wk,
+                           OUT_GROUP, MUL_WEIGHT, C_SORTED, BLOCK_N)
+
+
+@gluon.jit
+def _fp8_store(acc, col0, offs_m, tile_rows, sid, row_ok, c_ptr, c_scale_ptr, topk_weights_ptr, sorted_ids_ptr, num_routes,
+               N, topk, stride_cm, stride_csm, stride_wt, stride_wk, OUT_GROUP: gl.constexpr,
+               MUL_WEIGHT: gl.constexpr, C_SORTED: gl.constexpr, BLOCK_N: gl.constexpr):
+    """A consumer's epilogue for one half: columns [col0, col0 + BLOCK_N) of its 64 rows (sorted entries offs_m,
+    from tile_rows on; sid their routes; both in the accumulator's row layout), quantized in one 1 x BLOCK_N group
+    per row (OUT_GROUP) or times the route's top-k weight (MUL_WEIGHT), then stored."""
+    if C_SORTED:
+        out_row = offs_m.to(gl.int64)
+    else:
+        out_row = sid.to(gl.int64)
+    if OUT_GROUP > 0:  # one scale per row: the half's BLOCK_N columns are one group
+        g_scale = _ws_scale_of(gl.max(_ws_finite_abs(acc), axis=1))
+        acc = _ws_to_fp8(acc, g_scale[:, None], c_ptr.dtype.element_ty)
+        gl.store(c_scale_ptr + out_row * stride_csm + col0 // BLOCK_N, g_scale, mask=row_ok)
+    if MUL_WEIGHT:
+        w = gl.load(topk_weights_ptr + (sid // topk) * stride_wt + (sid % topk) * stride_wk, mask=row_ok,
+                    other=0.0)
+        acc = acc * w.to(gl.float32)[:, None]
+    # whole row segments: 16-byte vectors, a warp across a row
+    store_layout: gl.constexpr = rows_layout(BLOCK_N, c_ptr.dtype.element_ty, 4)
+    out = gl.convert_layout(acc.to(c_ptr.dtype.element_ty), store_layout)
+    st_m = tile_rows + gl.arange(0, WG_ROWS, layout=gl.SliceLayout(1, store_layout))
+    st_n = col0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, store_layout))
+    ws_store_rows(c_ptr, out, st_m, st_n, sorted_ids_ptr, num_routes, N, stride_cm, C_SORTED)
 
 
 @gluon.jit
@@ -213,9 +257,9 @@ def _moe_gemm_ws_fp8_kernel(a_desc, a_ptr, stride_am, b_desc, c_ptr, c_scale_ptr
                             OUT_GROUP: gl.constexpr, MUL_WEIGHT: gl.constexpr, C_SORTED: gl.constexpr,
                             A_GATHER: gl.constexpr, A_ROW_DIV: gl.constexpr, BLOCK_M: gl.constexpr,
                             BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr,
-                            STAGES: gl.constexpr, A_LAYOUT: gl.constexpr):
+                            STAGES: gl.constexpr, A_LAYOUT: gl.constexpr, WIDE: gl.constexpr):
     a_bufs = gl.allocate_shared_memory(b_desc.dtype, [STAGES, BLOCK_M, BLOCK_K], A_LAYOUT)
-    B_ROWS: gl.constexpr = 2 * BLOCK_N if FUSE_ACT else BLOCK_N
+    B_ROWS: gl.constexpr = 2 * BLOCK_N if FUSE_ACT or WIDE else BLOCK_N
     b_bufs = gl.allocate_shared_memory(b_desc.dtype, [STAGES, B_ROWS, BLOCK_K], b_desc.layout)
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -231,22 +275,22 @@ def _moe_gemm_ws_fp8_kernel(a_desc, a_ptr, stride_am, b_desc, c_ptr, c_scale_ptr
                          sorted_ids_ptr, block_expert_ptr, num_post_padded_ptr, num_routes, N, K, topk, stride_cm,
                          stride_csm, stride_asm, stride_bse, stride_bsn, stride_wt, stride_wk, 0, SCALES, FUSE_ACT,
                          ACTIVATION, OUT_GROUP, MUL_WEIGHT, C_SORTED, A_GATHER, A_ROW_DIV, BLOCK_M, BLOCK_N, BLOCK_K,
-                         GROUP_M, STAGES)),
+                         GROUP_M, STAGES, WIDE)),
         (_fp8_consumer, (a_bufs, b_bufs, ready, empty, c_ptr, c_scale_ptr, a_scale_ptr, b_scale_ptr, topk_weights_ptr,
                          sorted_ids_ptr, block_expert_ptr, num_post_padded_ptr, num_routes, N, K, topk, stride_cm,
                          stride_csm, stride_asm, stride_bse, stride_bsn, stride_wt, stride_wk, WG_ROWS, SCALES,
                          FUSE_ACT, ACTIVATION, OUT_GROUP, MUL_WEIGHT, C_SORTED, A_GATHER, A_ROW_DIV, BLOCK_M, BLOCK_N,
-                         BLOCK_K, GROUP_M, STAGES)),
+                         BLOCK_K, GROUP_M, STAGES, WIDE)),
         (ws_tile_loader, (a_desc, a_ptr, stride_am, b_desc, a_bufs, b_bufs, ready, empty, sorted_ids_ptr,
                        block_expert_ptr, num_post_padded_ptr, num_routes, N, K, b_rows_per_expert, FUSE_ACT,
-                       A_GATHER, A_ROW_DIV, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES)),
+                       A_GATHER, A_ROW_DIV, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, STAGES, WIDE)),
     ], [4, LOADER_WARPS], [CONSUMER_NUM_REGS, LOADER_NUM_REGS])
 
 
-def fp8_ws_stages(fused: bool, c_item: int) -> int:
-    """Stages of the ring (1-byte A and B tiles) that fit FP8_WS_SMEM_BYTES next to the two consumers' output
-    tiles of c_item-byte elements."""
-    per_stage = (FP8_WS_BLOCK_M + FP8_WS_BLOCK_N * (2 if fused else 1)) * FP8_WS_BLOCK_K
+def fp8_ws_stages(halves: int, c_item: int) -> int:
+    """Stages of the ring (1-byte A and B tiles; B of 1 or 2 halves of FP8_WS_BLOCK_N rows) that fit
+    FP8_WS_SMEM_BYTES next to the two consumers' output tiles (one half each) of c_item-byte elements."""
+    per_stage = (FP8_WS_BLOCK_M + FP8_WS_BLOCK_N * halves) * FP8_WS_BLOCK_K
     scratch = 2 * int(WG_ROWS) * FP8_WS_BLOCK_N * c_item
     return (FP8_WS_SMEM_BYTES - scratch) // per_stage
 
@@ -269,7 +313,8 @@ def fp8_ws_descriptors(a: torch.Tensor, b_ENK: torch.Tensor, a_sorted: bool):
 
 
 def moe_gemm_ws_fp8(a: torch.Tensor, b_ENK: torch.Tensor, c: torch.Tensor, kind: Fp8Scales, scales: GemmScales,
-                    rows: SortedRows, epilogue: GemmEpilogue, *, tiles: int, sms: int, group_m: int = 8) -> torch.Tensor:
+                    rows: SortedRows, epilogue: GemmEpilogue, *, tiles: int, sms: int, group_m: int = 8,
+                    wide: bool = False) -> torch.Tensor:
     """Launch the fp8 warp-specialized GEMM (moe_gemm checks the case with fp8_ws_scales and routes here).
 
     a (rows, Ko) fp8 e4m3: sorted rows (rows.a_sorted, through TMA) or rows the loader gathers (entry s of
@@ -278,9 +323,12 @@ def moe_gemm_ws_fp8(a: torch.Tensor, b_ENK: torch.Tensor, c: torch.Tensor, kind:
     the up rows, c gets No / 2 columns); scales.b float32 (El, ceil(No / 128), ceil(Ko / 128)) for BLOCK,
     (El, No, 1) for ROW. c (R, No') route rows or, rows.c_sorted, (S, No') sorted rows: bf16 / fp16 / float32, or
     fp8 e4m3 with epilogue.c_scale (rows, ceil(No' / 128)) float32 (with an activation: the output quantized in
-    1 x 128 groups). epilogue.topk_weights_Tk (T, k) multiplies route rows. tiles: the most tiles there can be;
-    min(tiles, sms) programs."""
+    1 x 128 groups). epilogue.topk_weights_Tk (T, k) multiplies route rows. wide (no activation): tiles of 256
+    output columns, two halves of 128. tiles: the most tiles there can be; min(tiles, sms) programs."""
     fused, activation_code, tw, sw, topk = ws_epilogue_args(epilogue, c)
+    if wide and fused:
+        raise ValueError("moe_gemm_ws_fp8: wide=True tiles the output of a GEMM without an activation; "
+                         f"epilogue.activation is {epilogue.activation}")
     a_scale, b_scale, c_scale = scales.a, scales.b, epilogue.c_scale
     a_sorted = rows.a_sorted
     _, No, Ko = b_ENK.shape
@@ -294,6 +342,7 @@ def moe_gemm_ws_fp8(a: torch.Tensor, b_ENK: torch.Tensor, c: torch.Tensor, kind:
         SCALES=kind.value, FUSE_ACT=fused, ACTIVATION=activation_code,
         OUT_GROUP=FP8_WS_BLOCK_N if quantized else 0, MUL_WEIGHT=epilogue.topk_weights_Tk is not None, C_SORTED=rows.c_sorted,
         A_GATHER=not a_sorted, A_ROW_DIV=rows.a_row_div, BLOCK_M=FP8_WS_BLOCK_M, BLOCK_N=FP8_WS_BLOCK_N,
-        BLOCK_K=FP8_WS_BLOCK_K, GROUP_M=group_m, STAGES=fp8_ws_stages(fused, c.element_size()), A_LAYOUT=_a_layout(), num_warps=4,
+        BLOCK_K=FP8_WS_BLOCK_K, GROUP_M=group_m, STAGES=fp8_ws_stages(2 if fused or wide else 1, c.element_size()),
+        A_LAYOUT=_a_layout(), WIDE=wide, num_warps=4,
     )
     return c

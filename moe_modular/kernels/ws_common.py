@@ -40,16 +40,21 @@ def rows_layout(block_k, dtype, num_warps):
 def ws_tile_loader(a_desc, a_ptr, stride_am, b_desc, a_bufs, b_bufs, ready, empty, sorted_ids_ptr, block_expert_ptr,
                 num_post_padded_ptr, num_routes, N, K, b_rows_per_expert,
                 FUSE_ACT: gl.constexpr, A_GATHER: gl.constexpr, A_ROW_DIV: gl.constexpr, BLOCK_M: gl.constexpr,
-                BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr):
+                BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
+                WIDE: gl.constexpr = False):
     """The loader partition of the warp-specialized grouped GEMMs: walks the program's tiles (ws_tile_order) and
-    fills a ring of STAGES shared-memory stages: B's tile (gate and up rows when FUSE_ACT) through TMA, A's rows
-    through TMA (sorted) or, A_GATHER, copied by this partition's warps with cp.async in 16-byte vectors (entry s
-    of the block reads row s // A_ROW_DIV; padding entries read zeros). ready[s] completes when stage s has
-    landed; empty[s] is waited for before the stage is refilled."""
+    fills a ring of STAGES shared-memory stages: B's tile through TMA (FUSE_ACT: BLOCK_N gate rows then the
+    BLOCK_N up rows N further down; WIDE: 2 * BLOCK_N consecutive rows, a tile of 2 * BLOCK_N output columns), A's
+    rows through TMA (sorted) or, A_GATHER, copied by this partition's warps with cp.async in 16-byte vectors
+    (entry s of the block reads row s // A_ROW_DIV; padding entries read zeros). ready[s] completes when stage s
+    has landed; empty[s] is waited for before the stage is refilled."""
+    TILE_N: gl.constexpr = 2 * BLOCK_N if WIDE else BLOCK_N
+    TWO_BOXES: gl.constexpr = FUSE_ACT or WIDE
     num_blocks = gl.load(num_post_padded_ptr) // BLOCK_M
-    num_pid_n = gl.cdiv(N, BLOCK_N)
+    num_pid_n = gl.cdiv(N, TILE_N)
     k_steps = gl.cdiv(K, BLOCK_K)
-    b_bytes: gl.constexpr = (2 if FUSE_ACT else 1) * b_desc.block_type.nbytes
+    second = N if FUSE_ACT else BLOCK_N  # B rows from the first box's to the second's
+    b_bytes: gl.constexpr = (2 if TWO_BOXES else 1) * b_desc.block_type.nbytes
     a_bytes: gl.constexpr = BLOCK_M * BLOCK_K * b_desc.dtype.primitive_bitwidth // 8
     nbytes: gl.constexpr = b_bytes if A_GATHER else b_bytes + a_bytes
     VEC: gl.constexpr = 128 // b_desc.dtype.primitive_bitwidth
@@ -59,7 +64,7 @@ def ws_tile_loader(a_desc, a_ptr, stride_am, b_desc, a_bufs, b_bufs, ready, empt
     for tile in range(gl.program_id(0), num_blocks * num_pid_n, gl.num_programs(0)):
         pid_m, pid_n = ws_tile_order(tile, num_blocks, num_pid_n, GROUP_M)
         expert = gl.load(block_expert_ptr + pid_m)
-        b_row = expert * b_rows_per_expert + pid_n * BLOCK_N
+        b_row = expert * b_rows_per_expert + pid_n * TILE_N
         if A_GATHER:  # the block's A rows: route sid reads row sid // A_ROW_DIV; padding entries read zeros
             offs_m = pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, gather_layout))
             sid = gl.load(sorted_ids_ptr + offs_m)
@@ -79,10 +84,10 @@ def ws_tile_loader(a_desc, a_ptr, stride_am, b_desc, a_bufs, b_bufs, ready, empt
             if not A_GATHER:
                 tma.async_copy_global_to_shared(a_desc, [pid_m * BLOCK_M, kk * BLOCK_K], ready.index(s),
                                                 a_bufs.index(s))
-            if FUSE_ACT:  # gate rows then up rows in one (2 * BLOCK_N, BLOCK_K) stage
+            if TWO_BOXES:  # two boxes of BLOCK_N rows in one (2 * BLOCK_N, BLOCK_K) stage
                 tma.async_copy_global_to_shared(b_desc, [b_row, kk * BLOCK_K], ready.index(s),
                                                 b_bufs.index(s).slice(0, BLOCK_N))
-                tma.async_copy_global_to_shared(b_desc, [b_row + N, kk * BLOCK_K], ready.index(s),
+                tma.async_copy_global_to_shared(b_desc, [b_row + second, kk * BLOCK_K], ready.index(s),
                                                 b_bufs.index(s).slice(BLOCK_N, BLOCK_N))
             else:
                 tma.async_copy_global_to_shared(b_desc, [b_row, kk * BLOCK_K], ready.index(s), b_bufs.index(s))
