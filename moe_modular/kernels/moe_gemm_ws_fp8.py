@@ -137,7 +137,7 @@ def _fp8_consumer(a_bufs, b_bufs, ready, empty, c_ptr, c_scale_ptr, a_scale_ptr,
         if TWO:
             acc_up = gl.zeros([WG_ROWS, BLOCK_N], gl.float32, acc_layout)
         if SCALES == _BLOCK:
-            bs_gate = b_scale_ptr + expert * stride_bse + (col0 // BLOCK_N) * stride_bsn
+            bs_gate = b_scale_ptr + expert * stride_bse + pid_n * (TILE_N // BLOCK_N) * stride_bsn
             bs_up = bs_gate + up_blocks * stride_bsn
             if WIDE:
                 b_s_up = gl.load(bs_up, mask=up_ok, other=0.0)
