@@ -9,14 +9,16 @@ Epilogues: act(gate) * up of the gate | up halves of w1, optionally quantized to
 (c_scale gets the scales); the top-k weight of the route; C written at the route (or sorted) rows.
 
 Schedule: one program per SM walks the tiles of the filled blocks (their count read on the device). A tile is
-128 rows; each program runs three partitions:
+128 rows by one half of 128 columns, or two halves: the gate and up halves of w1 (with the activation), or
+(`wide`, without one) 256 consecutive output columns, whose B tile of 256 x 128 per K step halves the A bytes
+loaded per flop. Each program runs three partitions:
 - a loader (ws_common.ws_tile_loader: one warp issuing TMA copies, or GATHER_WARPS warps that also copy A's rows
   with cp.async) fills a ring of STAGES shared-memory stages (`ready[s]` completes when stage s has landed, `empty[s]` when both
   consumers are done with it) and runs ahead into the next tile;
 - two consumer warpgroups, each owning 64 rows of the tile, synchronised only through the ring's mbarriers.
   BLOCK: every K step is a fresh wgmma (K = 128, one scale group) that the warpgroup waits for and then adds
   into its float32 sum times a_scale[row] * b_scale[block]; while one warpgroup scales, the other's wgmma
-  keeps the tensor cores busy. ROW: one wgmma chain per tile, one step in flight, scaled once at the end.
+  keeps the tensor cores busy. ROW: one wgmma chain per half, one step in flight, scaled once at the end.
   Each warpgroup runs its own epilogue and stores its rows.
 The consumers' scale loads for step k + 1 are issued before step k's wgmma is waited for.
 """
