@@ -224,8 +224,8 @@ def _fp8_consumer(a_bufs, b_bufs, ready, empty, c_ptr, c_scale_ptr, a_scale_ptr,
 
 
 @gluon.jit
-def _fp8_store(acc, col0, offs_m, tile_rows, sid, row_ok, c_ptr, c_scale_ptr, topk_weights_ptr, sorted_ids_ptr, num_routes,
-               N, topk, stride_cm, stride_csm, stride_wt, stride_wk, OUT_GROUP: gl.constexpr,
+def _fp8_store(acc, col0, offs_m, tile_rows, sid, row_ok, c_ptr, c_scale_ptr, topk_weights_ptr, sorted_ids_ptr,
+               num_routes, N, topk, stride_cm, stride_csm, stride_wt, stride_wk, OUT_GROUP: gl.constexpr,
                MUL_WEIGHT: gl.constexpr, C_SORTED: gl.constexpr, BLOCK_N: gl.constexpr):
     """A consumer's epilogue for one half: columns [col0, col0 + BLOCK_N) of its 64 rows (sorted entries offs_m,
     from tile_rows on; sid their routes; both in the accumulator's row layout), quantized in one 1 x BLOCK_N group
