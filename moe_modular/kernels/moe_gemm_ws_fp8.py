@@ -134,7 +134,7 @@ def _fp8_consumer(a_bufs, b_bufs, ready, empty, c_ptr, c_scale_ptr, a_scale_ptr,
             a_row = offs_m.to(gl.int64)
         as_ptrs = a_scale_ptr + a_row * stride_asm
         col0 = pid_n * TILE_N  # the tile's first output column
-        up_ok = col0 + (0 if FUSE_ACT else BLOCK_N) < N  # whether the second half has columns
+        up_ok = col0 + BLOCK_N < N  # WIDE: whether the second half has columns
         acc = gl.zeros([WG_ROWS, BLOCK_N], gl.float32, acc_layout)
         if TWO:
             acc_up = gl.zeros([WG_ROWS, BLOCK_N], gl.float32, acc_layout)
@@ -175,8 +175,7 @@ def _fp8_consumer(a_bufs, b_bufs, ready, empty, c_ptr, c_scale_ptr, a_scale_ptr,
                 a_s = a_s_next
                 b_s = b_s_next
                 i += 1
-        else:  # ROW: one chain over K per half with one step in flight, scaled at the end
-            PER_STEP: gl.constexpr = 2 if TWO else 1  # wgmma groups a K step commits
+        else:  # ROW: one chain over K per half with one step (one wgmma group per half) in flight, scaled at the end
             for kk in range(k_steps):
                 s = i % STAGES
                 mbarrier.wait(ready.index(s), (i // STAGES) & 1)
@@ -188,9 +187,9 @@ def _fp8_consumer(a_bufs, b_bufs, ready, empty, c_ptr, c_scale_ptr, a_scale_ptr,
                     acc_up = warpgroup_mma(a, b_bufs.index(s).slice(BLOCK_N, BLOCK_N).permute((1, 0)), acc_up,
                                            is_async=True)
                     # this step's wgmmas may still run; the previous step's are done, so its stage is free
-                    acc, acc_up = warpgroup_mma_wait(num_outstanding=PER_STEP, deps=(acc, acc_up))
+                    acc, acc_up = warpgroup_mma_wait(num_outstanding=2, deps=(acc, acc_up))
                 else:
-                    acc = warpgroup_mma_wait(num_outstanding=PER_STEP, deps=(acc, ))
+                    acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc, ))
                 mbarrier.arrive(empty.index((i + STAGES - 1) % STAGES), pred=kk > 0)
                 i += 1
             if TWO:
