@@ -203,21 +203,55 @@ def test_tune_launch_options_follow_the_device_and_the_tiles():
     from moe_modular.tile_config import TileConfig
     from tools import tune_moe
 
+    bf16, block = tune_moe.QUANTS["bf16"], tune_moe.QUANTS["fp8-block"]
     tile = GemmTile(128, 256, 64, 8, 8, 4)
     wide = TileConfig(tile, tile, LaunchOptions(b_tma=1))
-    got = tune_moe.launch_options(wide, hopper=True, unquantized=True)
+    got = tune_moe.launch_options(wide, hopper=True, quant=bf16, per_expert=512.0)
     assert [(c.launch1.pdl, c.launch2.pdl, c.launch2.persistent, c.launch1.ws, c.launch2.ws, c.launch1.a_tma,
              c.launch1.b_tma) for c in got] == [
         (0, 0, 2, 0, 0, 0, 1), (0, 1, 0, 0, 0, 0, 1), (1, 1, 0, 0, 0, 0, 1), (0, 0, 0, 1, 1, 1, 1)]
     assert all(c.gemm1 == c.gemm2 == tile for c in got)
     assert len(got) <= tune_moe.MAX_LAUNCH_OPTIONS
-    # no warp-specialized kernel for fp8 or for 16-row tiles; before Hopper only the persistent launch; a
-    # best that already has an option is not timed again
-    assert len(tune_moe.launch_options(wide, hopper=True, unquantized=False)) == 3
+    # no unquantized warp-specialized option for fp8 (its own kernel's configurations instead, where 128-row
+    # tiles are not mostly padding) or for 16-row tiles; before Hopper only the persistent launch; a best that
+    # already has an option is not timed again
+    fp8 = tune_moe.launch_options(wide, hopper=True, quant=block, per_expert=32.0)
+    assert len(fp8) == 3 and not any(c.launch1.ws or c.launch2.ws for c in fp8)
     narrow = TileConfig(GemmTile(16, 64, 128), GemmTile(16, 64, 128), launch2=LaunchOptions(persistent=2))
-    assert [c.launch2.pdl for c in tune_moe.launch_options(narrow, hopper=True, unquantized=True)] == [1, 1]
-    assert tune_moe.launch_options(wide, hopper=False, unquantized=True) == [
+    assert [c.launch2.pdl for c in tune_moe.launch_options(narrow, hopper=True, quant=bf16, per_expert=512.0)] == [
+        1, 1]
+    assert tune_moe.launch_options(wide, hopper=False, quant=bf16, per_expert=512.0) == [
         TileConfig(tile, tile, LaunchOptions(b_tma=1), LaunchOptions(persistent=2))]
+
+
+def test_tune_times_the_fp8_warp_specialized_configurations():
+    import torch
+
+    from moe_modular.kernels.common import FP8_WS_TILE
+    from moe_modular.tile_config import TileConfig, hopper_compute_tile
+    from tools import tune_moe
+
+    block, token = tune_moe.QUANTS["fp8-block"], tune_moe.QUANTS["fp8-token"]
+    bm, bn, bk = FP8_WS_TILE
+    for quant, gemm1_n, gemm2_n in ((block, [2 * bn] * 2, [bn, 2 * bn]),
+                                    (token, [bn, bn, 2 * bn], [bn, 2 * bn, 2 * bn])):
+        configs = tune_moe.fp8_ws_configs(quant)
+        assert [c.gemm1.BLOCK_N for c in configs] == gemm1_n and [c.gemm2.BLOCK_N for c in configs] == gemm2_n
+        assert all((c.launch1.ws, c.launch2.ws, c.gemm1.BLOCK_M, c.gemm2.BLOCK_K) == (1, 1, bm, bk) for c in configs)
+        assert all(c.act_q == (quant is block) for c in configs)
+        # the first is the Hopper default's compute-bound tile, so the two cannot drift apart
+        assert configs[0] == hopper_compute_tile(torch.bfloat16, quant, "NVIDIA_H200")
+        best = TileConfig(configs[0].gemm1, configs[0].gemm2)  # the same tiles in the tl.dot kernel
+        got = tune_moe.launch_options(best, hopper=True, quant=quant, per_expert=512.0)
+        assert got[3:] == configs and len(got) <= tune_moe.MAX_LAUNCH_OPTIONS
+        # 32 routes per expert: 128-row tiles would be three quarters padding
+        assert tune_moe.launch_options(best, hopper=True, quant=quant, per_expert=32.0) == got[:3]
+        assert tune_moe.launch_options(best, hopper=False, quant=quant, per_expert=512.0) == got[:1]
+        # a best that is one of them is not offered again
+        assert configs[0] not in tune_moe.launch_options(configs[0], hopper=True, quant=quant, per_expert=512.0)
+    for other in ("bf16", "fp8-tensor"):
+        if other in tune_moe.QUANTS:
+            assert tune_moe.fp8_ws_configs(tune_moe.QUANTS[other]) == []
 
 
 def test_tune_gemm2_candidates_skip_what_was_timed():

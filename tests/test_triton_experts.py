@@ -7,6 +7,7 @@ Outputs and workspaces are pre-filled with NaN, so a row the experts forget to w
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from typing import Optional
 
 import pytest
 import torch
@@ -366,9 +367,10 @@ def test_programmatic_dependent_launches_match_oracle(c: Case, persistent: int):
     _check_eager_then_graph(c, fe, qp, (x, w1, w2, tw, ti, expert_map), c.T + 13 * c.E + 1)
 
 
-def _check_eager_then_graph(c: Case, fe, qp, inputs, replay_seed: int) -> None:
-    """fe's apply (NoEP prepare first) against the oracle eagerly, then replayed from a CUDA graph on fresh inputs
-    (make_inputs(c, replay_seed)) copied in, with the workspaces and the output poisoned before each."""
+def _check_eager_then_graph(c: Case, fe, qp, inputs, replay_seed: Optional[int]) -> None:
+    """fe's apply (NoEP prepare first) against the oracle eagerly, then (unless replay_seed is None) replayed from a
+    CUDA graph on fresh inputs (make_inputs(c, replay_seed)) copied in, with the workspaces and the output poisoned
+    before each."""
     x, w1, w2, tw, ti, expert_map = inputs
     El, N2 = w1.shape[0], w1.shape[1]
     pf = MoEPrepareAndFinalizeNoEP()
@@ -387,6 +389,8 @@ def _check_eager_then_graph(c: Case, fe, qp, inputs, replay_seed: int) -> None:
 
     forward()
     check()
+    if replay_seed is None:
+        return
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         forward()
@@ -573,24 +577,79 @@ FP8_WS_CASES = [Case(300, 8, 2, K=384, N=256, quant=QuantConfig.fp8_block((128, 
                 Case(300, 8, 2, K=256, N=384, quant=QuantConfig.fp8_per_token())]
 
 
+# (case, first GEMM wide, second GEMM wide): a wide tile is two column halves of 128 (BLOCK_N 256, no activation);
+# fp8-block's first GEMM is fused (act_q), its gate and up halves already fill the tile
+FP8_WS_TILINGS = [(c, wide1, wide2) for c in FP8_WS_CASES
+                  for wide1, wide2 in ((False, False), (False, True)) + (() if c.quant.is_block else ((True, True),))]
+
+
+def _fp8_ws_name(p) -> str:
+    c, wide1, wide2 = p
+    return f"{_name(c)}-gemm1{'wide' if wide1 else '128'}-gemm2{'wide' if wide2 else '128'}"
+
+
+def _fp8_ws_tiles(quant: QuantConfig, wide1: bool, wide2: bool) -> TileConfig:
+    """The fp8 warp-specialized kernel's tiles (128 x 128 x 128, 8 warps, ws) with the GEMMs asked wide."""
+    tile, launch = GemmTile(128, 128, 128, 8, 8, 3), LaunchOptions(ws=1)
+    gemm1 = replace(tile, BLOCK_N=256) if quant.is_block or wide1 else tile
+    gemm2 = replace(tile, BLOCK_N=256) if wide2 else tile
+    return TileConfig(gemm1, gemm2, launch, launch, act_q=int(quant.is_block))
+
+
 @pytest.mark.skipif(not gpu_has_tma(DEVICE), reason="the fp8 warp-specialized Gluon kernel needs a Hopper-class GPU "
                     "(Triton's interpreter does not run Gluon); elsewhere LaunchOptions.ws runs the Triton kernel")
-@pytest.mark.parametrize("c", FP8_WS_CASES, ids=_name)
-def test_fp8_warp_specialized_gemms_match_oracle(c: Case, monkeypatch):
-    # The tables' fp8 warp-specialized tiles (128 x 128 x 128, two consumer warpgroups; fp8-block also act_q): both
-    # GEMMs run the fp8 Gluon kernel (counted); eager and replayed from a CUDA graph with fresh inputs, workspaces
-    # poisoned before each, both match the oracle.
+@pytest.mark.parametrize("p", FP8_WS_TILINGS, ids=_fp8_ws_name)
+def test_fp8_warp_specialized_gemms_match_oracle(p, monkeypatch):
+    # The tables' fp8 warp-specialized tiles (128 x 128 x 128, two consumer warpgroups; fp8-block also act_q), and
+    # the wide tiles a table may select: both GEMMs run the fp8 Gluon kernel (counted, with the wide flag their
+    # tile asks); eager and replayed from a CUDA graph with fresh inputs, workspaces poisoned before each, both
+    # match the oracle.
     from moe_modular.kernels import moe_gemm_ws_fp8
 
+    c, wide1, wide2 = p
     calls = []
     real = moe_gemm_ws_fp8.moe_gemm_ws_fp8
-    monkeypatch.setattr(moe_gemm_ws_fp8, "moe_gemm_ws_fp8", lambda *a, **k: calls.append(1) or real(*a, **k))
+    monkeypatch.setattr(moe_gemm_ws_fp8, "moe_gemm_ws_fp8",
+                        lambda *a, **k: calls.append(k.get("wide", False)) or real(*a, **k))
     moe, qp, x, w1, w2, tw, ti, expert_map = make_inputs(c, seed=c.T + 5 * c.E)
-    tile, launch = GemmTile(128, 128, 128, 8, 8, 3), LaunchOptions(ws=1)
-    gemm1 = replace(tile, BLOCK_N=256) if c.quant.is_block else tile
-    fe = TritonExperts(moe, qp, tile_config=TileConfig(gemm1, tile, launch, launch, act_q=int(c.quant.is_block)))
+    fe = TritonExperts(moe, qp, tile_config=_fp8_ws_tiles(c.quant, wide1, wide2))
     _check_eager_then_graph(c, fe, qp, (x, w1, w2, tw, ti, expert_map), c.T + 5 * c.E + 1)
-    assert len(calls) == 4, "a GEMM ran the Triton kernel (two GEMMs eagerly, two in the capture)"
+    assert calls == [wide1, wide2] * 2, "a GEMM ran the Triton kernel, or another tile (two GEMMs eagerly, two in " \
+        "the capture)"
+
+
+@pytest.mark.parametrize("p", FP8_WS_TILINGS, ids=_fp8_ws_name)
+def test_fp8_warp_specialized_tiles_reach_the_fp8_kernel(p, monkeypatch):
+    # On the host, with a Hopper-class GPU stood in: the fp8 warp-specialized tiles send both GEMMs of the forward
+    # to moe_gemm_ws_fp8, with the scale layout of the scheme and the wide flag their tile asks. Each launch is
+    # stood in by the Triton kernel with the same tile (the GPU test above runs the real one), so the forward
+    # must still match the oracle: the arguments the planning passes are complete.
+    from moe_modular.kernels import moe_gemm as G
+    from moe_modular.kernels import moe_gemm_ws_fp8
+    from moe_modular.kernels.common import FP8_WS_TILE, FP8_WS_WARPS
+
+    c, wide1, wide2 = p
+    hopper = {"on": True}
+    monkeypatch.setattr(G, "gpu_has_tma", lambda device: hopper["on"])
+    monkeypatch.setattr(G, "gluon_kernels_enabled", lambda version: True)
+    calls = []
+
+    def stand_in(a, b_ENK, c_out, kind, scales, rows, epilogue, *, tiles, sms, group_m=8, wide=False):
+        calls.append((kind.name, epilogue.activation is not None, wide))
+        bm, bn, bk = FP8_WS_TILE
+        tile = GemmTile(bm, 2 * bn if wide else bn, bk, group_m, FP8_WS_WARPS, 3)
+        hopper["on"] = False  # the Triton kernel as on a GPU without TMA (the interpreter)
+        try:
+            return G.moe_gemm(a, b_ENK, c_out, tile, rows, scales=scales, epilogue=epilogue)
+        finally:
+            hopper["on"] = True
+
+    monkeypatch.setattr(moe_gemm_ws_fp8, "moe_gemm_ws_fp8", stand_in)
+    moe, qp, x, w1, w2, tw, ti, expert_map = make_inputs(c, seed=c.T + 7 * c.E)
+    fe = TritonExperts(moe, qp, tile_config=_fp8_ws_tiles(c.quant, wide1, wide2))
+    _check_eager_then_graph(c, fe, qp, (x, w1, w2, tw, ti, expert_map), replay_seed=None)
+    kind = "BLOCK" if c.quant.is_block else "ROW"
+    assert calls == [(kind, c.quant.is_block, wide1), (kind, False, wide2)]
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graph capture needs a GPU")

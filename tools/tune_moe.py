@@ -14,7 +14,10 @@ forward (NoEP PF) replayed from a CUDA graph with an L2 flush before each repeti
      BLOCK_N / BLOCK_K / GROUP_M / num_warps / num_stages over the same space;
   3. the best tiles so far with each launch option that can change their speed on this device
      (launch_options: a persistent second GEMM; on Hopper and later also programmatic dependent
-     launches, and the warp-specialized kernel for unquantized tiles it takes).
+     launches, and the warp-specialized kernel for unquantized tiles it takes), and on Hopper for
+     fp8 1 x 128 / 128 x 128 blocks and fp8 per-token the fp8 warp-specialized kernel's own
+     configurations (fp8_ws_configs: its fixed 128-row tile, the second GEMM also as a 256-column
+     wide tile), where its 128-row tiles are not mostly padding; none is timed twice in a bucket.
 Writes OUT/<TileConfigTable.file_name(key)> per (shape, scheme) (copy into moe_modular/configs/ to
 ship it; buckets of the shipped table that this run did not tune are carried over unless
 --no-merge) and OUT/tune_moe.csv with every trial. A candidate that fails to compile or launch
@@ -105,11 +108,13 @@ def _fits(t, elt_bytes: int, per_expert: float, block_k_limit: Optional[int]) ->
         return False
     if block_k_limit is not None and bk > block_k_limit:
         return False
-    # BLOCK_M far above the tokens an expert gets only pads; keep the smallest block and those up to
-    # twice the average.
-    if bm > 16 and bm > 2 * 2 ** math.ceil(math.log2(max(per_expert, 1))):
-        return False
-    return True
+    return not _mostly_padding(bm, per_expert)
+
+
+def _mostly_padding(block_m: int, per_expert: float) -> bool:
+    """Whether BLOCK_M is far above the tokens an expert gets, so its rows are mostly padding: the smallest block
+    is kept, and those up to twice the average."""
+    return block_m > 16 and block_m > 2 * 2 ** math.ceil(math.log2(max(per_expert, 1)))
 
 
 def candidates(space: str, elt_bytes: int, per_expert: float, block_k_limit: Optional[int],
@@ -145,11 +150,13 @@ def gemm2_candidates(best: tuple, pool: list[tuple], tried: tuple = (),
     return out
 
 
-def launch_options(best, *, hopper: bool, unquantized: bool) -> list:
-    """Stage-3 configurations: `best` (a TileConfig) with one launch option each, those that differ from it:
-    the second GEMM persistent (2: loop nest flattened); on Hopper and later (hopper) the second GEMM, or
-    both GEMMs, launched as programmatic dependents (pdl), and, unquantized, both GEMMs in the
-    warp-specialized kernel on sorted rows (ws with a_tma) where the tiles suit it (BLOCK_M and warps)."""
+def launch_options(best, *, hopper: bool, quant, per_expert: float) -> list:
+    """Stage-3 configurations, those that differ from `best` (a TileConfig): best with one launch option each
+    (the second GEMM persistent, 2: loop nest flattened; on Hopper and later (hopper) the second GEMM, or both
+    GEMMs, launched as programmatic dependents (pdl), and, unquantized, both GEMMs in the warp-specialized kernel
+    on sorted rows (ws with a_tma) where the tiles suit it (BLOCK_M and warps)); then, on Hopper, for an fp8
+    scheme the fp8 warp-specialized kernel takes, its own configurations (fp8_ws_configs) unless its 128-row
+    tiles would be mostly padding at per_expert routes per expert."""
     from moe_modular.kernels.moe_gemm import WS_MIN_BLOCK_M, WS_WARPS
 
     g1, g2, l1, l2 = best.gemm1, best.gemm2, best.launch1, best.launch2
@@ -157,8 +164,11 @@ def launch_options(best, *, hopper: bool, unquantized: bool) -> list:
     if hopper:
         out += [replace(best, launch2=replace(l2, pdl=1)),
                 replace(best, launch1=replace(l1, pdl=1), launch2=replace(l2, pdl=1))]
-        if unquantized and g1.BLOCK_M >= WS_MIN_BLOCK_M and {g1.num_warps, g2.num_warps} <= set(WS_WARPS):
+        if not quant.is_quantized and g1.BLOCK_M >= WS_MIN_BLOCK_M and {g1.num_warps, g2.num_warps} <= set(WS_WARPS):
             out.append(replace(best, launch1=replace(l1, ws=1, a_tma=1), launch2=replace(l2, ws=1, a_tma=1)))
+        fp8_ws = fp8_ws_configs(quant)
+        if fp8_ws and not _mostly_padding(fp8_ws[0].gemm1.BLOCK_M, per_expert):
+            out += fp8_ws
     unique = []
     for cfg in out:
         if cfg != best and cfg not in unique:
@@ -166,8 +176,32 @@ def launch_options(best, *, hopper: bool, unquantized: bool) -> list:
     return unique
 
 
-# The most stage-3 configurations launch_options returns (the progress bar's count per bucket).
-MAX_LAUNCH_OPTIONS = 4
+def fp8_ws_configs(quant) -> list:
+    """The configurations of the fp8 warp-specialized kernel (moe_gemm_ws_fp8.py) for a scheme it takes, else []:
+    its one tile (FP8_WS_TILE, FP8_WS_WARPS warps) on both GEMMs with ws; fp8 blocks of FP8_WS_GROUP: the first
+    GEMM with act_q (gate and up halves, so twice BLOCK_N in the table's spelling) and the second GEMM of one or
+    two column halves (a wide tile, BLOCK_N doubled); fp8 per-token: each GEMM of one half, then the second GEMM
+    wide, then both. GROUP_M is the tables'; num_stages is unused by the kernel (it sizes its own ring) and set
+    to 3, which fits the tl.dot kernel the tile falls back to where the Gluon kernel does not apply."""
+    from moe_modular.kernels.common import FP8_WS_GROUP, FP8_WS_TILE, FP8_WS_WARPS
+    from moe_modular.kernels.gemm_config import GemmTile, LaunchOptions
+    from moe_modular.quant import QuantConfig
+    from moe_modular.tile_config import TileConfig
+
+    bm, bn, bk = FP8_WS_TILE
+    half = GemmTile(bm, bn, bk, 8, FP8_WS_WARPS, 3)
+    wide = replace(half, BLOCK_N=2 * bn)
+    ws = LaunchOptions(ws=1)
+    if quant == QuantConfig.fp8_block((FP8_WS_GROUP, FP8_WS_GROUP)):
+        return [TileConfig(wide, g2, ws, ws, act_q=1) for g2 in (half, wide)]
+    if quant == QuantConfig.fp8_per_token():
+        return [TileConfig(g1, g2, ws, ws) for g1, g2 in ((half, half), (half, wide), (wide, wide))]
+    return []
+
+
+# The most stage-3 configurations launch_options returns (the progress bar's count per bucket): three launch
+# options, then the unquantized warp-specialized one or up to three fp8_ws_configs (fp8 per-token).
+MAX_LAUNCH_OPTIONS = 6
 
 
 def incumbent(table, shape: Shape, qc, M: int, device: str):
@@ -225,7 +259,8 @@ def parse_args(argv=None):
                         "(on; tiles whose BLOCK_N / 2 holds whole groups) or in act_and_mul (off), or both ways")
     p.add_argument("--no-gemm2", dest="gemm2", action="store_false", help="skip stage 2 (gemm2 overrides)")
     p.add_argument("--no-options", dest="options", action="store_false",
-                   help="skip stage 3 (launch options: persistent, pdl, ws) on the best tiles")
+                   help="skip stage 3 (launch options: persistent, pdl, ws on the best tiles; the fp8 "
+                        "warp-specialized kernel's configurations)")
     p.add_argument("--no-incumbent", dest="incumbent", action="store_false",
                    help="do not time the tiles TritonExperts picks today as a stage-1 candidate")
     p.add_argument("--no-merge", dest="merge", action="store_false",
@@ -335,8 +370,10 @@ def main(argv=None) -> int:
                         run(TileConfig.from_gemm_fields(g1, _fields(t2)), 2)
                 options = []
                 if results and args.options:
-                    options = launch_options(min(results, key=lambda r: r[0])[1], hopper=args.hopper,
-                                             unquantized=not qc.is_quantized)
+                    timed = [c for _, c in results]
+                    options = [c for c in launch_options(min(results, key=lambda r: r[0])[1], hopper=args.hopper,
+                                                         quant=qc, per_expert=M * shape.topk / shape.E)
+                               if c not in timed]
                     for cfg in options:
                         run(cfg, 3)
                 # the bar counted every bucket at its most trials; settle the ones this bucket skipped
