@@ -3,14 +3,22 @@ combinations CLI's flag errors; nothing overwritten; a missing directory created
 from __future__ import annotations
 
 import json
+import random
 import shlex
 
 import pytest
+import torch
 
 from moe_modular.testing.cli import parse_request
+from moe_modular.testing.runner import CaseResult
 from tools.profile_modular_kernel import (
     CPU_RANGE_CATEGORY,
+    GPU_RANGE_CATEGORY,
+    KERNEL_CATEGORY,
     TRACE_METADATA_KEY,
+    RankCase,
+    format_kernels,
+    kernel_times,
     load_trace,
     main,
     phase_times,
@@ -96,6 +104,8 @@ def test_profiler_writes_one_valid_trace_per_rank_m_topk(tmp_path, capsys, flags
             and line.split()[0].isdigit()]
     assert sorted((int(r[0]), int(r[1]), int(r[2])) for r in rows) == sorted(
         (M, k, r) for M in Ms for k in topks for r in range(world_size))
+    # the kernel lists come with GPU traces only
+    assert ("GPU kernels of M=" in out) == torch.cuda.is_available()
 
 
 def test_profiler_creates_a_missing_directory(tmp_path):
@@ -133,6 +143,7 @@ def test_bad_flags_get_the_combinations_cli_errors(tmp_path, capsys, flags):
 
 OWN_FLAG_ERRORS = [
     ("--warmup -1", "--warmup (-1) must be >= 0"),  # negative warm-up
+    ("--top-kernels -2", "--top-kernels (-2) must be >= 0"),  # a negative count of kernels to list
     ("", "--pf-type and --experts-type are required"),  # no pair: the profiler runs one
     ("--world-size 1 2", "--world-size ([1, 2]) takes one size for the profiler"),  # one launch, one size
 ]
@@ -166,3 +177,47 @@ def test_missing_trace_dir_flag_is_an_argparse_error(capsys):
         main(["--pf-type", "MoEPrepareAndFinalizeNoEP", "--experts-type", "TorchExperts"])
     assert exc.value.code == 2
     assert "--torch-trace-dir-path" in capsys.readouterr().err
+
+
+def _event(cat: str, name: str, ts: float, dur: float) -> dict:
+    return {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur, "pid": 0, "tid": 7}
+
+
+def test_kernel_times_sum_the_kernels_inside_the_forward(tmp_path):
+    # A trace as torch.profiler writes it on a GPU: kernels before the forward's GPU span (a warm-up's, a barrier's)
+    # are left out; inside it each name's launches are summed, most time first.
+    rng = random.Random()
+    gemm = [rng.uniform(50.0, 90.0) for _ in range(2)]
+    align, sum_ = rng.uniform(1.0, 5.0), rng.uniform(5.0, 9.0)
+    long_name = "void cutlass::Kernel<" + "x" * 100 + ">"
+    events = [_event(CPU_RANGE_CATEGORY, "forward", 0.0, 400.0), _event(GPU_RANGE_CATEGORY, "forward", 100.0, 300.0),
+              _event(KERNEL_CATEGORY, "_moe_gemm_kernel", 10.0, 500.0),  # before the forward
+              _event(KERNEL_CATEGORY, "_align_kernel", 100.0, align),
+              _event(KERNEL_CATEGORY, "_moe_gemm_kernel", 110.0, gemm[0]),
+              _event(KERNEL_CATEGORY, long_name, 200.0, 1.0),
+              _event(KERNEL_CATEGORY, "_moe_gemm_kernel", 210.0, gemm[1]),
+              _event(KERNEL_CATEGORY, "_moe_sum_kernel", 300.0, sum_),
+              _event("cuda_runtime", "cudaLaunchKernel", 120.0, 3.0)]
+    trace = {"traceEvents": events}
+    got = kernel_times(trace)
+    assert [(k.name, k.calls) for k in got] == [("_moe_gemm_kernel", 2), ("_moe_sum_kernel", 1),
+                                                ("_align_kernel", 1), (long_name, 1)]
+    assert got[0].gpu_us == pytest.approx(sum(gemm)) and got[2].gpu_us == pytest.approx(align)
+    # without a GPU forward span, every kernel of the trace counts
+    no_span = {"traceEvents": [e for e in events if e["cat"] != GPU_RANGE_CATEGORY]}
+    assert kernel_times(no_span)[0].gpu_us == pytest.approx(500.0 + sum(gemm))
+
+    path = tmp_path / "t.json"
+    path.write_text(json.dumps(trace))
+    case = RankCase(CaseResult(64, 8, 0, 0.0, 1e-2, torch.empty(0)), str(path))
+    text = format_kernels([case], top=3, name_width=40).splitlines()
+    total = sum(gemm) + align + sum_ + 1.0
+    assert text[0] == f"GPU kernels of M=64 topk=8 rank=0: 4 kernels, {total / 1000:.3f} ms in all; the 3 longest:"
+    rows = [line.split() for line in text[2:]]
+    assert [r[3] for r in rows] == ["_moe_gemm_kernel", "_moe_sum_kernel", "_align_kernel"]
+    assert float(rows[0][1].rstrip("%")) == pytest.approx(100 * sum(gemm) / total, abs=0.06)
+    assert len(format_kernels([case], top=10, name_width=40).splitlines()[-1].split("  ")[-1]) == 40
+    assert format_kernels([case], top=0) == ""
+    cpu_only = tmp_path / "cpu.json"
+    cpu_only.write_text(json.dumps({"traceEvents": events[:1]}))
+    assert format_kernels([RankCase(case.result, str(cpu_only))], top=5) == ""

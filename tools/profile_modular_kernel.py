@@ -3,7 +3,7 @@
   python -m tools.profile_modular_kernel --pf-type X --experts-type Y --torch-trace-dir-path DIR
       [--world-size N] [-m M ...] [-k K] [-n N] [--num-experts E] [--topk k ...] [--dtype D]
       [--quant-dtype fp8] [--per-token-quantized-activations] [--per-channel-quantized-weights]
-      [--static-activation-scale] [--block-shape BN BK] [--warmup W]
+      [--static-activation-scale] [--block-shape BN BK] [--warmup W] [--top-kernels N]
 
 The problem flags and their errors are the combinations CLI's
 (tests/test_modular_kernel_combinations.py). The ranks are spawned with parallel_launch (gloo on
@@ -12,7 +12,8 @@ combinations matrix builds (moe_modular/testing/runner.py), runs the forward `--
 times, then once under torch.profiler (CPU activity, plus CUDA where present, shapes recorded)
 and writes DIR/m{M}_topk{k}_rank{r}.json. An existing file is never overwritten: the run takes
 the first suffix (_1, _2, ...) free for all its files. The profiled forward's output is checked
-against the float32 oracle, and a per-phase time table is printed from the traces.
+against the float32 oracle, and a per-phase time table is printed from the traces; on a GPU also,
+per case, the `--top-kernels` kernels that took the most GPU time inside the forward.
 
 Without --dtype or quant flags the first registered scheme the pair supports is profiled.
 Exit codes: 0 traces written and the output matches the oracle, 1 a case failed or a rank
@@ -47,6 +48,9 @@ PHASES: tuple[str, ...] = ("forward", "prepare", "dispatch", "shared_experts", "
 CPU_RANGE_CATEGORY = "user_annotation"
 GPU_RANGE_CATEGORY = "gpu_user_annotation"
 DEFAULT_WARMUP = 2
+# Chrome-trace category of a GPU kernel's execution.
+KERNEL_CATEGORY = "kernel"
+DEFAULT_TOP_KERNELS = 10
 # The key under which each trace carries what was profiled (rank, shapes, pair, scheme).
 TRACE_METADATA_KEY = "moe_modular"
 
@@ -59,6 +63,8 @@ def build_profiler_parser() -> argparse.ArgumentParser:
     p.add_argument("--torch-trace-dir-path", required=True, metavar="DIR",
                    help="directory for the traces (created when missing)")
     p.add_argument("--warmup", type=int, default=DEFAULT_WARMUP, help="forwards run before the profiled one")
+    p.add_argument("--top-kernels", type=int, default=DEFAULT_TOP_KERNELS, metavar="N",
+                   help="GPU runs: list the N kernels with the most GPU time inside each forward (0: none)")
     return p
 
 
@@ -69,6 +75,7 @@ class ProfileRequest:
     cfg: Config
     trace_dir: str
     warmup: int
+    top_kernels: int = DEFAULT_TOP_KERNELS
 
 
 def parse_profile_request(argv: Optional[Sequence[str]] = None) -> ProfileRequest:
@@ -82,13 +89,15 @@ def parse_profile_request(argv: Optional[Sequence[str]] = None) -> ProfileReques
         raise ValueError(f"--world-size ({list(req.world_sizes)}) takes one size for the profiler")
     if args.warmup < 0:
         raise ValueError(f"--warmup ({args.warmup}) must be >= 0")
+    if args.top_kernels < 0:
+        raise ValueError(f"--top-kernels ({args.top_kernels}) must be >= 0")
     if os.path.exists(args.torch_trace_dir_path) and not os.path.isdir(args.torch_trace_dir_path):
         raise ValueError(f"--torch-trace-dir-path ({args.torch_trace_dir_path!r}) exists and is not a directory")
     cells = matrix_configs(req.pf_types, req.fe_types, req.schemes, req.world_sizes, **req.shape)
     valid = [c for c, ok, _ in cells if ok]
     if not valid:
         raise UnsupportedPair([f"{c.describe()}: {reason}" for c, _, reason in cells])
-    return ProfileRequest(valid[0], args.torch_trace_dir_path, args.warmup)
+    return ProfileRequest(valid[0], args.torch_trace_dir_path, args.warmup, args.top_kernels)
 
 
 class UnsupportedPair(ValueError):
@@ -252,6 +261,53 @@ def format_summary(cases: list[RankCase]) -> str:
     return "\n".join(lines)
 
 
+@dataclass(frozen=True)
+class KernelTime:
+    """One kernel name's launches inside the forward of a trace."""
+
+    name: str
+    calls: int
+    gpu_us: float
+
+
+def kernel_times(trace: dict) -> list[KernelTime]:
+    """The GPU kernels that ran inside the forward's GPU span (the whole trace where it has no such span), one
+    entry per kernel name, most GPU time first."""
+    events = [ev for ev in trace["traceEvents"] if ev.get("ph") == "X"]
+    spans = [(float(ev["ts"]), float(ev["ts"]) + float(ev.get("dur", 0.0))) for ev in events
+             if ev.get("cat") == GPU_RANGE_CATEGORY and ev.get("name") == "forward"]
+    calls: dict[str, int] = {}
+    total: dict[str, float] = {}
+    for ev in events:
+        if ev.get("cat") != KERNEL_CATEGORY:
+            continue
+        ts = float(ev["ts"])
+        if spans and not any(a <= ts <= b for a, b in spans):
+            continue
+        calls[ev["name"]] = calls.get(ev["name"], 0) + 1
+        total[ev["name"]] = total.get(ev["name"], 0.0) + float(ev.get("dur", 0.0))
+    return sorted((KernelTime(n, calls[n], total[n]) for n in total), key=lambda k: (-k.gpu_us, k.name))
+
+
+def format_kernels(cases: list[RankCase], top: int, name_width: int = 80) -> str:
+    """Per (M, topk, rank) whose trace has GPU kernels: the `top` kernels with the most GPU time inside the forward,
+    with their share of all kernel time there; "" when no trace has kernels (a CPU run) or top is 0."""
+    lines = []
+    for c in sorted(cases, key=lambda c: (c.result.M, c.result.topk, c.result.rank)) if top else ():
+        kernels = kernel_times(load_trace(c.trace_path))
+        if not kernels:
+            continue
+        all_us = sum(k.gpu_us for k in kernels)
+        r = c.result
+        lines.append(f"GPU kernels of M={r.M} topk={r.topk} rank={r.rank}: {len(kernels)} kernels, "
+                     f"{all_us / 1000:.3f} ms in all; the {min(top, len(kernels))} longest:")
+        lines.append(f"{'ms':>10s} {'share':>6s} {'calls':>5s}  name")
+        for k in kernels[:top]:
+            name = k.name if len(k.name) <= name_width else k.name[:name_width - 3] + "..."
+            lines.append(f"{k.gpu_us / 1000:10.3f} {k.gpu_us / all_us if all_us else 0.0:6.1%} {k.calls:5d}  {name}")
+    return "\n".join(lines)
+
+
 # ---- command line ----------------------------------------------------------------------------
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -278,6 +334,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         status = "PASS" if r.passed else "FAIL"
         print(f"{status} M={r.M} topk={r.topk} rank={r.rank} err={r.error:.3e} tol={r.tolerance:.1e} trace={c.trace_path}")
     print(format_summary(cases))
+    kernels = format_kernels(cases, req.top_kernels)
+    if kernels:
+        print(kernels)
     failed = [c for c in cases if not c.result.passed]
     print(f"{len(cases)} traces written, {len(cases) - len(failed)} outputs match the oracle, {len(failed)} do not")
     return 1 if failed else 0
