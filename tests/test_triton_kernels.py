@@ -1011,14 +1011,14 @@ def test_moe_gemm_ws_fp8_block_chain_matches_oracle(activation, sorted_mid, tile
 def test_moe_gemm_ws_fp8_row_chain_matches_oracle(tile, monkeypatch):
     # fp8-token (per-row activation, per-channel weight scales): the first GEMM gathers token rows into a float32
     # h1 (R, 2N); the second reads the intermediate (quantized per row here, as act_and_mul does) and writes routes
-    # times the top-k weights in bf16. K = 256, N = 384; 128-column tiles or wide ones (256 columns: h1's 768 in
-    # three, y's 256 in one). Both GEMMs run the fp8 kernel (counted).
+    # times the top-k weights in bf16. K = 384, N = 384; 128-column tiles or wide ones (256 columns: h1's 768 in
+    # three, y's 384 in two, the second's upper half past K). Both GEMMs run the fp8 kernel (counted).
     from moe_modular.kernels import moe_gemm_ws_fp8
 
     calls = []
     real = moe_gemm_ws_fp8.moe_gemm_ws_fp8
     monkeypatch.setattr(moe_gemm_ws_fp8, "moe_gemm_ws_fp8", lambda *a, **kw: calls.append(1) or real(*a, **kw))
-    K, N = 256, 384
+    K, N = 384, 384
     qc = QuantConfig.fp8_per_token()
     ids, xq, xs, w1q, w1s, w2q, w2s, topk_w = _fp8_chain_inputs(qc, K, N, seed=92)
     T, k = ids.shape
