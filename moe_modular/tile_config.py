@@ -213,13 +213,29 @@ def hopper_compute_tile(dtype: torch.dtype, quant: QuantConfig, device: str) -> 
     if not quant.is_quantized:
         tile, launch = GemmTile(128, 256, 64, 8, 8, 4), LaunchOptions(a_tma=1, ws=1)
         return TileConfig(tile, tile, launch, launch)
-    if quant == QuantConfig.fp8_block((128, 128)):
-        gemm1, launch = GemmTile(128, 256, 128, 8, 8, 3), LaunchOptions(ws=1)
-        return TileConfig(gemm1, replace(gemm1, BLOCK_N=128), launch, launch, act_q=1)
+    fp8_ws = fp8_ws_tile_configs(quant)
+    return fp8_ws[0] if fp8_ws else None
+
+
+# The fp8 warp-specialized kernel's one tile (kernels/common.FP8_WS_TILE with FP8_WS_WARPS warps, restated here
+# where Triton is not imported; a test holds them equal) and its wide form of two column halves. GROUP_M is the
+# tables'; the kernel sizes its own stage ring, and 3 stages fit the tl.dot kernel the tile falls back to.
+FP8_WS_HALF = GemmTile(128, 128, 128, 8, 8, 3)
+FP8_WS_WIDE = replace(FP8_WS_HALF, BLOCK_N=2 * FP8_WS_HALF.BLOCK_N)
+
+
+def fp8_ws_tile_configs(quant: QuantConfig) -> tuple[TileConfig, ...]:
+    """The configurations that run both GEMMs in the fp8 warp-specialized kernel (ws) for a scheme it takes, the
+    tables' choice first; () for other schemes. fp8 128 x 128 blocks: the first GEMM with act_q (its gate and up
+    halves, so twice BLOCK_N in the tables' spelling), the second GEMM of one column half, then wide. fp8
+    per-token: both GEMMs of one half, then the second wide, then both wide."""
+    ws = LaunchOptions(ws=1)
+    if quant == QuantConfig.fp8_block((FP8_WS_HALF.BLOCK_N, FP8_WS_HALF.BLOCK_K)):
+        return tuple(TileConfig(FP8_WS_WIDE, g2, ws, ws, act_q=1) for g2 in (FP8_WS_HALF, FP8_WS_WIDE))
     if quant == QuantConfig.fp8_per_token():
-        tile, launch = GemmTile(128, 128, 128, 8, 8, 3), LaunchOptions(ws=1)
-        return TileConfig(tile, tile, launch, launch)
-    return None
+        pairs = ((FP8_WS_HALF, FP8_WS_HALF), (FP8_WS_HALF, FP8_WS_WIDE), (FP8_WS_WIDE, FP8_WS_WIDE))
+        return tuple(TileConfig(g1, g2, ws, ws) for g1, g2 in pairs)
+    return ()
 
 
 @dataclass(frozen=True)

@@ -31,6 +31,7 @@ from moe_modular.tile_config import (
     TileConfigTable,
     TileKey,
     default_tile_config,
+    fp8_ws_tile_configs,
 )
 from moe_modular.weight_and_reduce import TopKWeightAndReduceDelegate, TopKWeightAndReduceNoOp
 from moe_modular.workspace import WorkspaceCache
@@ -577,23 +578,20 @@ FP8_WS_CASES = [Case(300, 8, 2, K=384, N=256, quant=QuantConfig.fp8_block((128, 
                 Case(300, 8, 2, K=256, N=384, quant=QuantConfig.fp8_per_token())]
 
 
-# (case, first GEMM wide, second GEMM wide): a wide tile is two column halves of 128 (BLOCK_N 256, no activation);
-# fp8-block's first GEMM is fused (act_q), its gate and up halves already fill the tile
-FP8_WS_TILINGS = [(c, wide1, wide2) for c in FP8_WS_CASES
-                  for wide1, wide2 in ((False, False), (False, True)) + (() if c.quant.is_block else ((True, True),))]
+# (case, tiles): every configuration of the fp8 warp-specialized kernel the tables and the tuner use for the case's
+# scheme (tile_config.fp8_ws_tile_configs: 128-column tiles, and wide ones of two column halves)
+FP8_WS_TILINGS = [(c, cfg) for c in FP8_WS_CASES for cfg in fp8_ws_tile_configs(c.quant)]
 
 
 def _fp8_ws_name(p) -> str:
-    c, wide1, wide2 = p
-    return f"{_name(c)}-gemm1{'wide' if wide1 else '128'}-gemm2{'wide' if wide2 else '128'}"
+    c, cfg = p
+    return f"{_name(c)}-gemm1N{cfg.gemm1.BLOCK_N}-gemm2N{cfg.gemm2.BLOCK_N}"
 
 
-def _fp8_ws_tiles(quant: QuantConfig, wide1: bool, wide2: bool) -> TileConfig:
-    """The fp8 warp-specialized kernel's tiles (128 x 128 x 128, 8 warps, ws) with the GEMMs asked wide."""
-    tile, launch = GemmTile(128, 128, 128, 8, 8, 3), LaunchOptions(ws=1)
-    gemm1 = replace(tile, BLOCK_N=256) if quant.is_block or wide1 else tile
-    gemm2 = replace(tile, BLOCK_N=256) if wide2 else tile
-    return TileConfig(gemm1, gemm2, launch, launch, act_q=int(quant.is_block))
+def _fp8_ws_wide(cfg: TileConfig) -> list[bool]:
+    """Whether each GEMM's launch is a wide tile (BLOCK_N 256 without the activation; the fused first GEMM's 256
+    are its gate and up halves)."""
+    return [cfg.gemm1.BLOCK_N == 256 and not cfg.act_q, cfg.gemm2.BLOCK_N == 256]
 
 
 @pytest.mark.skipif(not gpu_has_tma(DEVICE), reason="the fp8 warp-specialized Gluon kernel needs a Hopper-class GPU "
@@ -606,15 +604,15 @@ def test_fp8_warp_specialized_gemms_match_oracle(p, monkeypatch):
     # match the oracle.
     from moe_modular.kernels import moe_gemm_ws_fp8
 
-    c, wide1, wide2 = p
+    c, cfg = p
     calls = []
     real = moe_gemm_ws_fp8.moe_gemm_ws_fp8
     monkeypatch.setattr(moe_gemm_ws_fp8, "moe_gemm_ws_fp8",
                         lambda *a, **k: calls.append(k.get("wide", False)) or real(*a, **k))
     moe, qp, x, w1, w2, tw, ti, expert_map = make_inputs(c, seed=c.T + 5 * c.E)
-    fe = TritonExperts(moe, qp, tile_config=_fp8_ws_tiles(c.quant, wide1, wide2))
+    fe = TritonExperts(moe, qp, tile_config=cfg)
     _check_eager_then_graph(c, fe, qp, (x, w1, w2, tw, ti, expert_map), c.T + 5 * c.E + 1)
-    assert calls == [wide1, wide2] * 2, "a GEMM ran the Triton kernel, or another tile (two GEMMs eagerly, two in " \
+    assert calls == _fp8_ws_wide(cfg) * 2, "a GEMM ran the Triton kernel, or another tile (two GEMMs eagerly, two in " \
         "the capture)"
 
 
@@ -628,7 +626,7 @@ def test_fp8_warp_specialized_tiles_reach_the_fp8_kernel(p, monkeypatch):
     from moe_modular.kernels import moe_gemm_ws_fp8
     from moe_modular.kernels.common import FP8_WS_TILE, FP8_WS_WARPS
 
-    c, wide1, wide2 = p
+    c, cfg = p
     hopper = {"on": True}
     monkeypatch.setattr(G, "gpu_has_tma", lambda device: hopper["on"])
     monkeypatch.setattr(G, "gluon_kernels_enabled", lambda version: True)
@@ -646,9 +644,10 @@ def test_fp8_warp_specialized_tiles_reach_the_fp8_kernel(p, monkeypatch):
 
     monkeypatch.setattr(moe_gemm_ws_fp8, "moe_gemm_ws_fp8", stand_in)
     moe, qp, x, w1, w2, tw, ti, expert_map = make_inputs(c, seed=c.T + 7 * c.E)
-    fe = TritonExperts(moe, qp, tile_config=_fp8_ws_tiles(c.quant, wide1, wide2))
+    fe = TritonExperts(moe, qp, tile_config=cfg)
     _check_eager_then_graph(c, fe, qp, (x, w1, w2, tw, ti, expert_map), replay_seed=None)
     kind = "BLOCK" if c.quant.is_block else "ROW"
+    wide1, wide2 = _fp8_ws_wide(cfg)
     assert calls == [(kind, c.quant.is_block, wide1), (kind, False, wide2)]
 
 
@@ -700,3 +699,24 @@ def test_default_tiles_take_the_warp_specialized_kernel_on_hopper_when_compute_b
     # schemes the Hopper tiles were not chosen for keep the generic ones
     for other in (QuantConfig.fp8_per_tensor(), QuantConfig.fp8_block((128, 32))):
         assert not default_tile_config(4096, E, N, K, topk, torch.bfloat16, other, "NVIDIA_H200").launch1.ws
+
+
+def test_fp8_warp_specialized_configurations_are_the_kernels_tile():
+    # tile_config restates the fp8 kernel's tile (it imports no Triton): the two must agree, the tables' choice
+    # (the Hopper default) comes first, and every configuration runs both GEMMs in the kernel with 128-row tiles.
+    from moe_modular.kernels.common import FP8_WS_GROUP, FP8_WS_TILE, FP8_WS_WARPS
+    from moe_modular.tile_config import FP8_WS_HALF, FP8_WS_WIDE, hopper_compute_tile
+
+    assert (FP8_WS_HALF.BLOCK_M, FP8_WS_HALF.BLOCK_N, FP8_WS_HALF.BLOCK_K, FP8_WS_HALF.num_warps) == (
+        *FP8_WS_TILE, FP8_WS_WARPS)
+    assert FP8_WS_WIDE.BLOCK_N == 2 * FP8_WS_TILE[1] and FP8_WS_HALF.BLOCK_N == FP8_WS_GROUP
+    block, token = QuantConfig.fp8_block((128, 128)), QuantConfig.fp8_per_token()
+    for quant, n1, n2 in ((block, [256, 256], [128, 256]), (token, [128, 128, 256], [128, 256, 256])):
+        configs = fp8_ws_tile_configs(quant)
+        assert [c.gemm1.BLOCK_N for c in configs] == n1 and [c.gemm2.BLOCK_N for c in configs] == n2
+        assert all((c.launch1.ws, c.launch2.ws, c.gemm1.BLOCK_M, c.gemm2.BLOCK_M, c.act_q) ==
+                   (1, 1, 128, 128, int(quant.is_block)) for c in configs)
+        for dev in ("NVIDIA_H100_80GB_HBM3", "NVIDIA_H200"):
+            assert hopper_compute_tile(torch.bfloat16, quant, dev) == configs[0]
+    for other in (QuantConfig(), QuantConfig.fp8_per_tensor(), QuantConfig.fp8_block((128, 64))):
+        assert fp8_ws_tile_configs(other) == ()

@@ -16,8 +16,8 @@ forward (NoEP PF) replayed from a CUDA graph with an L2 flush before each repeti
      (launch_options: a persistent second GEMM; on Hopper and later also programmatic dependent
      launches, and the warp-specialized kernel for unquantized tiles it takes), and on Hopper for
      fp8 1 x 128 / 128 x 128 blocks and fp8 per-token the fp8 warp-specialized kernel's own
-     configurations (fp8_ws_configs: its fixed 128-row tile, the second GEMM also as a 256-column
-     wide tile), where its 128-row tiles are not mostly padding; none is timed twice in a bucket.
+     configurations (tile_config.fp8_ws_tile_configs: its fixed 128-row tile, the second GEMM also
+     as a 256-column wide tile), where its 128-row tiles are not mostly padding; none is timed twice in a bucket.
 Writes OUT/<TileConfigTable.file_name(key)> per (shape, scheme) (copy into moe_modular/configs/ to
 ship it; buckets of the shipped table that this run did not tune are carried over unless
 --no-merge) and OUT/tune_moe.csv with every trial. A candidate that fails to compile or launch
@@ -155,9 +155,11 @@ def launch_options(best, *, hopper: bool, quant, per_expert: float) -> list:
     (the second GEMM persistent, 2: loop nest flattened; on Hopper and later (hopper) the second GEMM, or both
     GEMMs, launched as programmatic dependents (pdl), and, unquantized, both GEMMs in the warp-specialized kernel
     on sorted rows (ws with a_tma) where the tiles suit it (BLOCK_M and warps)); then, on Hopper, for an fp8
-    scheme the fp8 warp-specialized kernel takes, its own configurations (fp8_ws_configs) unless its 128-row
-    tiles would be mostly padding at per_expert routes per expert."""
+    scheme the fp8 warp-specialized kernel takes, its own configurations (tile_config.fp8_ws_tile_configs: its
+    128-row tile, the second GEMM also wide) unless 128-row tiles would be mostly padding at per_expert routes
+    per expert."""
     from moe_modular.kernels.moe_gemm import WS_MIN_BLOCK_M, WS_WARPS
+    from moe_modular.tile_config import fp8_ws_tile_configs
 
     g1, g2, l1, l2 = best.gemm1, best.gemm2, best.launch1, best.launch2
     out = [replace(best, launch2=replace(l2, persistent=2))]
@@ -166,7 +168,7 @@ def launch_options(best, *, hopper: bool, quant, per_expert: float) -> list:
                 replace(best, launch1=replace(l1, pdl=1), launch2=replace(l2, pdl=1))]
         if not quant.is_quantized and g1.BLOCK_M >= WS_MIN_BLOCK_M and {g1.num_warps, g2.num_warps} <= set(WS_WARPS):
             out.append(replace(best, launch1=replace(l1, ws=1, a_tma=1), launch2=replace(l2, ws=1, a_tma=1)))
-        fp8_ws = fp8_ws_configs(quant)
+        fp8_ws = fp8_ws_tile_configs(quant)
         if fp8_ws and not _mostly_padding(fp8_ws[0].gemm1.BLOCK_M, per_expert):
             out += fp8_ws
     unique = []
@@ -176,31 +178,8 @@ def launch_options(best, *, hopper: bool, quant, per_expert: float) -> list:
     return unique
 
 
-def fp8_ws_configs(quant) -> list:
-    """The configurations of the fp8 warp-specialized kernel (moe_gemm_ws_fp8.py) for a scheme it takes, else []:
-    its one tile (FP8_WS_TILE, FP8_WS_WARPS warps) on both GEMMs with ws; fp8 blocks of FP8_WS_GROUP: the first
-    GEMM with act_q (gate and up halves, so twice BLOCK_N in the table's spelling) and the second GEMM of one or
-    two column halves (a wide tile, BLOCK_N doubled); fp8 per-token: each GEMM of one half, then the second GEMM
-    wide, then both. GROUP_M is the tables'; num_stages is unused by the kernel (it sizes its own ring) and set
-    to 3, which fits the tl.dot kernel the tile falls back to where the Gluon kernel does not apply."""
-    from moe_modular.kernels.common import FP8_WS_GROUP, FP8_WS_TILE, FP8_WS_WARPS
-    from moe_modular.kernels.gemm_config import GemmTile, LaunchOptions
-    from moe_modular.quant import QuantConfig
-    from moe_modular.tile_config import TileConfig
-
-    bm, bn, bk = FP8_WS_TILE
-    half = GemmTile(bm, bn, bk, 8, FP8_WS_WARPS, 3)
-    wide = replace(half, BLOCK_N=2 * bn)
-    ws = LaunchOptions(ws=1)
-    if quant == QuantConfig.fp8_block((FP8_WS_GROUP, FP8_WS_GROUP)):
-        return [TileConfig(wide, g2, ws, ws, act_q=1) for g2 in (half, wide)]
-    if quant == QuantConfig.fp8_per_token():
-        return [TileConfig(g1, g2, ws, ws) for g1, g2 in ((half, half), (half, wide), (wide, wide))]
-    return []
-
-
 # The most stage-3 configurations launch_options returns (the progress bar's count per bucket): three launch
-# options, then the unquantized warp-specialized one or up to three fp8_ws_configs (fp8 per-token).
+# options, then the unquantized warp-specialized one or up to three fp8_ws_tile_configs (fp8 per-token).
 MAX_LAUNCH_OPTIONS = 6
 
 
