@@ -292,8 +292,10 @@ def kernel_times(trace: dict) -> list[KernelTime]:
 def format_kernels(cases: list[RankCase], top: int, name_width: int = 80) -> str:
     """Per (M, topk, rank) whose trace has GPU kernels: the `top` kernels with the most GPU time inside the forward,
     with their share of all kernel time there; "" when no trace has kernels (a CPU run) or top is 0."""
+    if not top:
+        return ""
     lines = []
-    for c in sorted(cases, key=lambda c: (c.result.M, c.result.topk, c.result.rank)) if top else ():
+    for c in sorted(cases, key=lambda c: (c.result.M, c.result.topk, c.result.rank)):
         kernels = kernel_times(load_trace(c.trace_path))
         if not kernels:
             continue

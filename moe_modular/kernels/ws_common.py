@@ -12,14 +12,16 @@ from moe_modular.kernels.act_and_mul import ACT_CODE
 from moe_modular.kernels.common import tile_order
 from moe_modular.kernels.gemm_config import GemmEpilogue
 
+
 def ws_epilogue_args(epilogue: GemmEpilogue, stand_in: torch.Tensor) -> tuple[bool, int, torch.Tensor, tuple, int]:
     """(fused, activation code, top-k weights, their (token, route) strides, topk) as the Gluon GEMMs take the
     epilogue: without an activation code 0, without top-k weights `stand_in` (never read), strides 0 and topk 1."""
     fused = epilogue.activation is not None
+    code = ACT_CODE[epilogue.activation] if fused else 0
     weights = epilogue.topk_weights_Tk
     if weights is None:
-        return fused, ACT_CODE[epilogue.activation] if fused else 0, stand_in, (0, 0), 1
-    return fused, ACT_CODE[epilogue.activation] if fused else 0, weights, tuple(weights.stride()), weights.shape[1]
+        return fused, code, stand_in, (0, 0), 1
+    return fused, code, weights, tuple(weights.stride()), weights.shape[1]
 
 
 # The tl.dot kernels' tile order, compiled as Gluon (the same Python body).
