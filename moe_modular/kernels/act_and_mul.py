@@ -33,6 +33,7 @@ from moe_modular.kernels.launcher import launch
 TARGET_PROGRAMS = 4096  # a GPU launch spreads smaller batches over at least this many programs (act_blocks)
 # ---- Triton -------------------------------------------------------------------------
 
+
 class RowMode(enum.Enum):
     """Which rows of the launch hold data, and which local expert each belongs to."""
 

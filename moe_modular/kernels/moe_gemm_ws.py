@@ -75,8 +75,6 @@ def _store_layout(block_n, num_warps):
     return gl.BlockedLayout([1, 8], [32 // per_row, per_row], [num_warps, 1], [1, 0])
 
 
-
-
 @gluon.jit
 def _ws_mma_epilogue(a_bufs, b_bufs, ready, empty, c_smem, c_ready, c_empty, c_ptr, topk_weights_ptr,
                      sorted_ids_ptr, num_post_padded_ptr, num_routes, N, K, topk, stride_cm, stride_wt, stride_wk,

@@ -69,7 +69,6 @@ class Fp8Scales(enum.Enum):
 _BLOCK: gl.constexpr = gl.constexpr(Fp8Scales.BLOCK.value)
 
 
-
 @gluon.jit
 def _ws_scale_of(amax):
     """The fp8 scale of an amax, as kernels/common.scale_of (and quant.py) computes it."""

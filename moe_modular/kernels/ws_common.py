@@ -37,7 +37,6 @@ def rows_layout(block_k, dtype, num_warps):
     return gl.BlockedLayout([1, vec], [32 // per_row, per_row], [num_warps, 1], [1, 0])
 
 
-
 @gluon.jit
 def ws_tile_loader(a_desc, a_ptr, stride_am, b_desc, a_bufs, b_bufs, ready, empty, sorted_ids_ptr, block_expert_ptr,
                 num_post_padded_ptr, num_routes, N, K, b_rows_per_expert,

@@ -123,7 +123,6 @@ def last_line(text: str) -> str:
     return lines[-1] if lines else text.strip()
 
 
-
 # ---- running cells -----------------------------------------------------------------------------
 
 def _cell_path(result_dir: str, index: int, rank: int) -> str:
