@@ -31,6 +31,7 @@ from moe_modular.kernels.host import cdiv, next_pow2
 from moe_modular.kernels.launcher import launch
 
 TARGET_PROGRAMS = 4096  # a GPU launch spreads smaller batches over at least this many programs (act_blocks)
+
 # ---- Triton -------------------------------------------------------------------------
 
 
