@@ -20,6 +20,7 @@ from tools.profile_modular_kernel import (
     format_kernels,
     kernel_times,
     load_trace,
+    load_traces,
     main,
     phase_times,
 )
@@ -210,14 +211,14 @@ def test_kernel_times_sum_the_kernels_inside_the_forward(tmp_path):
     path = tmp_path / "t.json"
     path.write_text(json.dumps(trace))
     case = RankCase(CaseResult(64, 8, 0, 0.0, 1e-2, torch.empty(0)), str(path))
-    text = format_kernels([case], top=3, name_width=40).splitlines()
+    text = format_kernels(load_traces([case]), top=3, name_width=40).splitlines()
     total = sum(gemm) + align + sum_ + 1.0
     assert text[0] == f"GPU kernels of M=64 topk=8 rank=0: 4 kernels, {total / 1000:.3f} ms in all; the 3 longest:"
     rows = [line.split() for line in text[2:]]
     assert [r[3] for r in rows] == ["_moe_gemm_kernel", "_moe_sum_kernel", "_align_kernel"]
     assert float(rows[0][1].rstrip("%")) == pytest.approx(100 * sum(gemm) / total, abs=0.06)
-    assert len(format_kernels([case], top=10, name_width=40).splitlines()[-1].split("  ")[-1]) == 40
-    assert format_kernels([case], top=0) == ""
+    assert len(format_kernels(load_traces([case]), top=10, name_width=40).splitlines()[-1].split("  ")[-1]) == 40
+    assert format_kernels(load_traces([case]), top=0) == ""
     cpu_only = tmp_path / "cpu.json"
     cpu_only.write_text(json.dumps({"traceEvents": events[:1]}))
-    assert format_kernels([RankCase(case.result, str(cpu_only))], top=5) == ""
+    assert format_kernels(load_traces([RankCase(case.result, str(cpu_only))]), top=5) == ""

@@ -242,16 +242,27 @@ def phase_times(trace: dict) -> dict[str, PhaseTime]:
     return {name: PhaseTime(len(cpu[name]), sum(cpu[name]), gpu.get(name)) for name in PHASES if name in cpu}
 
 
-def format_summary(cases: list[RankCase]) -> str:
-    """A table: one row per (M, topk, rank), one column per phase present, in ms (CPU, and GPU when traced)."""
-    timed = [(c, phase_times(load_trace(c.trace_path))) for c in cases]
+def case_order(case: RankCase) -> tuple[int, int, int]:
+    """The order cases are reported in: (M, topk, rank)."""
+    return case.result.M, case.result.topk, case.result.rank
+
+
+def load_traces(cases: list[RankCase]) -> list[tuple[RankCase, dict]]:
+    """Each case with its trace, read once, in case_order: what format_summary and format_kernels take."""
+    return [(c, load_trace(c.trace_path)) for c in sorted(cases, key=case_order)]
+
+
+def format_summary(traced: list[tuple[RankCase, dict]]) -> str:
+    """A table: one row per (M, topk, rank) of load_traces' list, one column per phase present, in ms (CPU, and GPU
+    when traced)."""
+    timed = [(c, phase_times(trace)) for c, trace in traced]
     present = [p for p in PHASES if any(p in t for _, t in timed)]
     has_gpu = any(pt.gpu_us is not None for _, t in timed for pt in t.values())
     lines = []
     for clock in ("cpu", "gpu") if has_gpu else ("cpu",):
         lines.append(f"{clock.upper()} time per phase (ms; a nested phase is also counted in its parent):")
         lines.append(f"{'M':>6s} {'topk':>4s} {'rank':>4s} " + " ".join(f"{p:>14s}" for p in present))
-        for c, t in sorted(timed, key=lambda ct: (ct[0].result.M, ct[0].result.topk, ct[0].result.rank)):
+        for c, t in timed:
             cells = []
             for p in present:
                 us = None if p not in t else (t[p].cpu_us if clock == "cpu" else t[p].gpu_us)
@@ -289,14 +300,15 @@ def kernel_times(trace: dict) -> list[KernelTime]:
     return sorted((KernelTime(n, calls[n], total[n]) for n in total), key=lambda k: (-k.gpu_us, k.name))
 
 
-def format_kernels(cases: list[RankCase], top: int, name_width: int = 80) -> str:
-    """Per (M, topk, rank) whose trace has GPU kernels: the `top` kernels with the most GPU time inside the forward,
-    with their share of all kernel time there; "" when no trace has kernels (a CPU run) or top is 0."""
+def format_kernels(traced: list[tuple[RankCase, dict]], top: int, name_width: int = 80) -> str:
+    """Per (M, topk, rank) of load_traces' list whose trace has GPU kernels: the `top` kernels with the most GPU time
+    inside the forward, with their share of all kernel time there; "" when no trace has kernels (a CPU run) or top
+    is 0."""
     if not top:
         return ""
     lines = []
-    for c in sorted(cases, key=lambda c: (c.result.M, c.result.topk, c.result.rank)):
-        kernels = kernel_times(load_trace(c.trace_path))
+    for c, trace in traced:
+        kernels = kernel_times(trace)
         if not kernels:
             continue
         all_us = sum(k.gpu_us for k in kernels)
@@ -331,12 +343,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except Exception as exc:  # noqa: BLE001 - a failed launch is reported with every rank's traceback
         print(f"FAIL {cfg.describe()}: {exc}", file=sys.stderr)
         return 1
-    for c in sorted(cases, key=lambda c: (c.result.M, c.result.topk, c.result.rank)):
+    for c in sorted(cases, key=case_order):
         r = c.result
         status = "PASS" if r.passed else "FAIL"
         print(f"{status} M={r.M} topk={r.topk} rank={r.rank} err={r.error:.3e} tol={r.tolerance:.1e} trace={c.trace_path}")
-    print(format_summary(cases))
-    kernels = format_kernels(cases, req.top_kernels)
+    traced = load_traces(cases)
+    print(format_summary(traced))
+    kernels = format_kernels(traced, req.top_kernels)
     if kernels:
         print(kernels)
     failed = [c for c in cases if not c.result.passed]
