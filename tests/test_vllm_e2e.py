@@ -41,7 +41,9 @@ def _env(enable: bool) -> dict:
     env.pop("TRITON_INTERPRET", None)
     env["MOE_MODULAR_ENABLE"] = "1" if enable else "0"
     env["HF_HUB_OFFLINE"] = "1"
-    env["PYTHONPATH"] = REPO + os.pathsep + env.get("PYTHONPATH", "")
+    # amx_site/sitecustomize.py: each process asks for the AMX state vLLM's CPU attention needs (its docstring)
+    env["PYTHONPATH"] = os.pathsep.join([REPO, os.path.join(REPO, "tests", "vllm_e2e", "amx_site"),
+                                         env.get("PYTHONPATH", "")])
     return env
 
 
